@@ -1,0 +1,3 @@
+"""Palestra: an RL gym for language models."""
+
+__version__ = "0.1.0"

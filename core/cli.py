@@ -1,0 +1,58 @@
+"""The ``palestra`` command: train | plugins | config | bench.
+
+Each subcommand lives in ``palestra.commands.<name>`` and is imported only when used, so
+``palestra --help`` stays fast. A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+# name -> one-line help; the module palestra.commands.<name> does the work.
+COMMANDS = {
+    "train": "train a policy (default: the built-in task)",
+    "plugins": "list installed plugins and what they register",
+    "config": "show the resolved configuration",
+    "bench": "benchmark the kernels against baselines",
+}
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="palestra", description="Palestra: an RL gym for language models.")
+    parser.add_argument("--version", action="version", version=f"palestra {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"palestra.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except (UsageError, ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        # Config and plugin errors are written to be read as one line: show just that line.
+        if isinstance(e, (TypeError, KeyError)) and not getattr(e, "palestra_user_error", False):
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"palestra {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Palestra's fused ops: log-prob gather with entropy, advantage estimators, running reward normalisation.
+
+Each op has a plain-torch reference, a C++ CPU kernel, a CUDA kernel and a Triton kernel; the input's
+device picks one (see :mod:`palestra.kernels.dispatch`). Native back ends are built lazily, on first use.
+"""
+
+from .dispatch import BACKENDS, forced_backend, set_backend
+from .build import KernelBuildError
+from .logprob_entropy import logprob_entropy
+from .advantages import discounted_returns, gae, group_advantages, rloo_advantages
+from .reward_norm import RunningMoments, normalize_rewards
+
+__all__ = [
+    "BACKENDS",
+    "KernelBuildError",
+    "RunningMoments",
+    "discounted_returns",
+    "forced_backend",
+    "gae",
+    "group_advantages",
+    "logprob_entropy",
+    "normalize_rewards",
+    "rloo_advantages",
+    "set_backend",
+]
