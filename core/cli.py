@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from . import __version__
 
@@ -23,6 +24,16 @@ COMMANDS = {
 
 class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
+
+
+_default_formatwarning = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:  # type: ignore[no-untyped-def]
+    """Palestra's own warnings (a disabled plugin) read as one line on the command line, without a source excerpt."""
+    if category.__module__.startswith("palestra."):
+        return f"palestra: warning: {message}\n"
+    return _default_formatwarning(message, category, filename, lineno, line)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,15 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    previous_formatwarning, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return int(args._module.run(args) or 0)
-    except (UsageError, ValueError, TypeError, KeyError, FileNotFoundError) as e:
-        # Config and plugin errors are written to be read as one line: show just that line.
-        if isinstance(e, (TypeError, KeyError)) and not getattr(e, "palestra_user_error", False):
+    except Exception as e:
+        # Config and plugin errors are written to be read as one line: show just that line. Exceptions
+        # flag it with palestra_user_error (RegistryError is a LookupError, PluginError a RuntimeError).
+        flagged = getattr(e, "palestra_user_error", None)
+        if not (flagged or (flagged is None and isinstance(e, (UsageError, ValueError, FileNotFoundError)))):
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"palestra {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = previous_formatwarning
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""Palestra's hook specifications: the one place a plugin looks to see what it can provide.
+
+A plugin is a module (or object) with functions marked ``@hookimpl`` whose names match these specs.
+Registration hooks receive a ``register`` callback rather than returning lists, so a plugin can register
+any number of components and every registration is attributed to the plugin that made it::
+
+    from palestra import hookimpl
+
+    @hookimpl
+    def register_rewards(register):
+        register("keyword", KeywordReward, options=KeywordReward.Options, description="1 if the keyword appears")
+
+Lifecycle hooks are called by the trainer; every implementation runs, in registration order (pluggy's
+LIFO order reversed is not relied upon).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+PROJECT = "palestra"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class RegisterFn(Protocol):
+    """The callback handed to every ``register_*`` hook.
+
+    ``name`` is how configs refer to the component; ``factory`` builds it and is called with the
+    validated options as keyword arguments; ``options`` is a dataclass type declaring those options
+    (their types and defaults), or ``None`` when the component takes none. Registering a name that
+    another plugin already registered for the same kind is an error naming both plugins.
+    """
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        options: type | None = None,
+        description: str = "",
+    ) -> None: ...
+
+
+# ---- registration ----------------------------------------------------------------------------------
+@hookspec
+def register_environments(register: RegisterFn) -> None:
+    """Register environments: sources of prompts or dialogue contexts (single- or multi-agent, single- or multi-turn)."""
+
+
+@hookspec
+def register_rewards(register: RegisterFn) -> None:
+    """Register rewards: score a batch of (prompt, completion, metadata) into a float tensor."""
+
+
+@hookspec
+def register_optimizers(register: RegisterFn) -> None:
+    """Register policy optimisers (the RL algorithms): each owns its loss and its update."""
+
+
+@hookspec
+def register_policies(register: RegisterFn) -> None:
+    """Register policies: model back ends that generate completions and score token log-probs."""
+
+
+@hookspec
+def register_loggers(register: RegisterFn) -> None:
+    """Register metric loggers (console, JSONL, TensorBoard, wandb, ...)."""
+
+
+@hookspec
+def register_generators(register: RegisterFn) -> None:
+    """Register generation back ends for rollouts (the built-in KV-cache sampler; vLLM and others later)."""
+
+
+# ---- lifecycle --------------------------------------------------------------------------------------
+@hookspec
+def on_train_start(trainer: Any, config: Any) -> None:
+    """Called once, after every component is built and before the first rollout."""
+
+
+@hookspec
+def on_train_end(trainer: Any, metrics: Mapping[str, float]) -> None:
+    """Called once when training ends normally, with the last step's metrics."""
+
+
+@hookspec
+def on_rollout_end(trainer: Any, step: int, batch: Any) -> None:
+    """Called after each rollout is generated and scored, before the update. Must not modify ``batch``."""
+
+
+@hookspec
+def on_optimizer_step(trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+    """Called after each optimiser step with that step's metrics (entropy, KL, grad norm, ...)."""
+
+
+@hookspec
+def on_checkpoint_save(trainer: Any, step: int, state: dict[str, Any]) -> None:
+    """Called before a checkpoint is written; a plugin may add its own entries to ``state``."""
+
+
+@hookspec
+def on_checkpoint_load(trainer: Any, step: int, state: Mapping[str, Any]) -> None:
+    """Called after a checkpoint is read, so a plugin can restore the entries it saved."""
