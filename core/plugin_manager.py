@@ -1,0 +1,406 @@
+"""Palestra's plugin manager: finds the plugins, loads them, and builds the component registry from them.
+
+Every plugin, built-in or not, is a module named by an entry point in the ``palestra`` group::
+
+    [project.entry-points.palestra]
+    example = "palestra_example"
+
+The palestra distribution itself declares one entry point per module in :data:`DEFAULT_PLUGINS`, so the
+built-ins are found and registered exactly the way third-party plugins are. What differs is failure:
+
+* a built-in that is missing or fails (import or registration) means the install is broken: hard error;
+* a third-party distribution whose plugin fails to import, or raises inside a ``register_*`` hook, is
+  disabled with ONE :class:`PalestraPluginWarning` naming the distribution and the error, and recorded as a
+  :class:`~palestra.registry.BrokenPlugin`, so that asking the registry for something it might have provided
+  later says why it is missing. Everything else keeps working.
+* a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
+  error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
+
+Environment variables, read when the manager is first built (call :func:`reset` to re-read them):
+
+* ``PALESTRA_LOAD_PLUGINS=a,b`` loads only the named third-party distributions (``""``: none). The built-ins
+  are always loaded.
+* ``PALESTRA_TRACE_PLUGINS=1`` writes every plugin load and every hook call (with the plugins it reaches) to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.metadata as metadata
+import os
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .registry import KINDS, BrokenPlugin, Registration, Registry
+
+ENTRY_POINT_GROUP = "palestra"
+DISTRIBUTION = "palestra"  # the distribution whose entry points are the built-ins
+LOAD_PLUGINS_ENV = "PALESTRA_LOAD_PLUGINS"
+TRACE_PLUGINS_ENV = "PALESTRA_TRACE_PLUGINS"
+
+# The built-in plugins, in load order. Each must also be an entry point of the palestra distribution
+# (pyproject.toml, [project.entry-points.palestra]); the two lists are checked against each other on load.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "palestra.plugins.envs.arithmetic",
+    "palestra.plugins.envs.relay",
+    "palestra.plugins.rewards.basic",
+    "palestra.plugins.rewards.combinators",
+)
+
+
+class PalestraPluginWarning(UserWarning):
+    """A third-party plugin was disabled because it failed; the message names its distribution and the error."""
+
+
+class PluginError(RuntimeError):
+    """The set of plugins cannot be used as installed. The message is one line naming the plugin and distribution."""
+
+    palestra_user_error = True
+
+
+class BuiltinPluginError(PluginError):
+    """A built-in plugin is missing or failed: palestra itself is broken, so the full traceback matters."""
+
+    palestra_user_error = False
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One loaded (or failed) plugin, as ``palestra plugins`` shows it."""
+
+    name: str  # its name in the plugin manager (the entry point's name)
+    module: str  # where the plugin object lives (the entry point's value)
+    distribution: str | None
+    version: str | None
+    builtin: bool
+    hooks: tuple[str, ...]  # the hooks it implements
+    error: str | None = None  # why it is disabled; None when it works
+
+
+@dataclass
+class _State:
+    manager: pluggy.PluginManager
+    plugins: list[PluginInfo]  # load order; includes the failed ones
+    broken: list[BrokenPlugin]
+    registry: Registry | None = None
+    building: bool = False  # set while the register_* hooks run
+
+
+_lock = threading.RLock()
+_state: _State | None = None
+
+
+# ---- public API --------------------------------------------------------------------------------------
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The plugin manager with the built-ins and the installed plugins loaded and checked (cached)."""
+    return _get_state().manager
+
+
+def get_registry() -> Registry:
+    """Every registered component, built by calling each plugin's ``register_*`` hooks (cached)."""
+    with _lock:
+        state = _get_state()
+        if state.registry is None:
+            if state.building:  # a register_* hook asked for the registry it is helping to build
+                raise RuntimeError("get_registry() was called from inside a register_* hook, while the registry is being built")
+            state.building = True
+            try:
+                state.registry = _build_registry(state)
+            finally:
+                state.building = False
+        return state.registry
+
+
+def plugin_infos() -> list[PluginInfo]:
+    """Every plugin in load order, built-ins first, including the ones disabled because they failed."""
+    with _lock:
+        get_registry()  # a plugin can also fail while registering
+        return list(_get_state().plugins)
+
+
+def reset() -> None:
+    """Forget the loaded plugins and the registry; the next call loads them again (and re-reads the environment)."""
+    global _state
+    with _lock:
+        _state = None
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+_loading = False
+
+
+def _get_state() -> _State:
+    global _state, _loading
+    with _lock:
+        if _state is None:
+            if _loading:  # a plugin module asked for the manager while being imported by it
+                raise RuntimeError("the plugin manager was asked for while it is loading plugins (at a plugin's import time)")
+            _loading = True
+            try:
+                _state = _Loader().load()
+            finally:
+                _loading = False
+        return _state
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginInfo] = []
+        self.broken: list[BrokenPlugin] = []
+        if _env_flag(TRACE_PLUGINS_ENV):
+            _enable_tracing(self.pm)
+        self.trace = self.pm.trace.root.get("palestra")
+
+    def load(self) -> _State:
+        self._load_builtins()
+        self._load_third_party(_requested_distributions())
+        self._check_pending()
+        return _State(manager=self.pm, plugins=self.plugins, broken=self.broken)
+
+    def _load_builtins(self) -> None:
+        try:
+            dist = metadata.distribution(DISTRIBUTION)
+        except metadata.PackageNotFoundError:
+            raise BuiltinPluginError(
+                f"the {DISTRIBUTION!r} distribution is not installed, so its built-in plugins cannot be found; "
+                "install it (pip install -e .)"
+            ) from None
+        declared = {ep.value: ep for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP)}
+        missing = [m for m in DEFAULT_PLUGINS if m not in declared]
+        extra = [v for v in declared if v not in DEFAULT_PLUGINS]
+        if missing or extra:
+            raise BuiltinPluginError(
+                f"the installed {DISTRIBUTION!r} metadata does not match palestra.plugin_manager.DEFAULT_PLUGINS "
+                f"(not declared as entry points: {missing or 'none'}; declared but unknown: {extra or 'none'}); "
+                "reinstall palestra (pip install -e .)"
+            )
+        for module_path in DEFAULT_PLUGINS:
+            ep = declared[module_path]
+            try:
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
+            except Exception as e:
+                raise BuiltinPluginError(
+                    f"built-in plugin {ep.name!r} ({module_path}) failed to load: {_one_line(e)}; the palestra install is broken"
+                ) from e
+            self._loaded(plugin, ep.name, ep.value, dist, builtin=True)
+
+    def _load_third_party(self, requested: set[str] | None) -> None:
+        by_dist = _third_party_entry_points()
+        if requested is not None:
+            for name in sorted(requested - by_dist.keys()):
+                warnings.warn(
+                    f"{LOAD_PLUGINS_ENV} names {name!r}, which is not an installed distribution with "
+                    f"{ENTRY_POINT_GROUP!r} entry points",
+                    PalestraPluginWarning,
+                    stacklevel=2,
+                )
+        for key in sorted(by_dist):
+            if requested is not None and key not in requested:
+                continue
+            dist, eps = by_dist[key]
+            self._load_distribution(dist, eps)
+
+    def _load_distribution(self, dist: metadata.Distribution, eps: list[metadata.EntryPoint]) -> None:
+        """Load every plugin of one distribution, or none of them: a half-loaded distribution is not usable."""
+        registered: list[tuple[str, Any, metadata.EntryPoint]] = []
+        try:
+            for ep in eps:
+                plugin = ep.load()
+                name = ep.name if self.pm.get_plugin(ep.name) is None else f"{dist.name}:{ep.name}"
+                self.pm.register(plugin, name=name)
+                registered.append((name, plugin, ep))
+        except Exception as e:
+            for name, _, _ in registered:
+                self.pm.unregister(name=name)
+            self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, f"{_one_line(e)} (while loading)")
+            return
+        for name, plugin, ep in registered:
+            self._loaded(plugin, name, ep.value, dist, builtin=False)
+
+    def _loaded(self, plugin: object, name: str, module: str, dist: metadata.Distribution, *, builtin: bool) -> None:
+        hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
+        self.plugins.append(
+            PluginInfo(name=name, module=module, distribution=dist.name, version=dist.version, builtin=builtin, hooks=hooks)
+        )
+        self.trace("loaded", "built-in" if builtin else "third-party", "plugin", repr(name), "from", dist.name, dist.version)
+
+    def _disable(self, name: str, module: str, dist: metadata.Distribution, error: str) -> None:
+        _warn_broken(dist.name, error)
+        self.broken.append(BrokenPlugin(plugin=name, distribution=dist.name, error=error))
+        self.plugins.append(
+            PluginInfo(name=name, module=module, distribution=dist.name, version=dist.version, builtin=False, hooks=(), error=error)
+        )
+
+    def _check_pending(self) -> None:
+        """Fail on hooks no spec knows: pluggy would otherwise never call them, silently."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            name = self.pm.get_name(e.plugin) or repr(e.plugin)
+            info = next((p for p in self.plugins if p.name == name), None)
+            unknown = [h.name for h in self.pm.get_hookcallers(e.plugin) or () if not h.has_spec()]
+            specs = [n for n in dir(hookspecs) if n.startswith(("register_", "on_"))]
+            parts = []
+            for hook in unknown:
+                close = difflib.get_close_matches(hook, specs, n=1)
+                parts.append(f"{hook!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            who = f"plugin {name!r}" + (f" (distribution {info.distribution!r})" if info and info.distribution else "")
+            cls = BuiltinPluginError if info is not None and info.builtin else PluginError
+            raise cls(
+                f"{who} implements unknown hook {', '.join(parts)}; the hooks are defined in palestra.hookspecs"
+            ) from e
+
+
+def _third_party_entry_points() -> dict[str, tuple[metadata.Distribution, list[metadata.EntryPoint]]]:
+    """Entry points of the ``palestra`` group, grouped by normalised distribution name, palestra itself left out."""
+    by_dist: dict[str, tuple[metadata.Distribution, list[metadata.EntryPoint]]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        if dist is None:  # only for hand-made EntryPoint objects; installed ones always know their distribution
+            continue
+        key = _normalise(dist.name)
+        if key == DISTRIBUTION:
+            continue
+        by_dist.setdefault(key, (dist, []))[1].append(ep)
+    for _, eps in by_dist.values():
+        eps.sort(key=lambda ep: ep.name)
+    return by_dist
+
+
+def _requested_distributions() -> set[str] | None:
+    """The distributions PALESTRA_LOAD_PLUGINS allows (normalised), or None when it is not set (all of them)."""
+    raw = os.environ.get(LOAD_PLUGINS_ENV)
+    if raw is None:
+        return None
+    return {_normalise(part.strip()) for part in raw.split(",") if part.strip()}
+
+
+# ---- registration ------------------------------------------------------------------------------------
+def _build_registry(state: _State) -> Registry:
+    """Call the registration hooks one plugin at a time, so a failure is attributed to (and contained in) its plugin."""
+    pm = state.manager
+    registry = Registry(broken=list(state.broken))
+    trace = pm.trace.root.get("palestra")
+    for index, info in enumerate(list(state.plugins)):
+        if info.error is not None:
+            continue
+        plugin = pm.get_plugin(info.name)
+        others = [p for p in pm.get_plugins() if p is not plugin]
+        staged: list[Registration] = []
+        hook_name = ""
+        try:
+            for kind, hook_name in KINDS.items():
+                if hook_name not in info.hooks:
+                    continue
+                trace("calling", hook_name, "of plugin", repr(info.name))
+                register = _Register(kind, info, staged)
+                try:
+                    pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
+                finally:
+                    register.closed = True
+        except Exception as e:
+            error = f"{_one_line(e)} (in {hook_name})"
+            if info.builtin:
+                raise BuiltinPluginError(f"built-in plugin {info.name!r} failed: {error}; the palestra install is broken") from e
+            _warn_broken(info.distribution or info.name, error)
+            broken = BrokenPlugin(plugin=info.name, distribution=info.distribution, error=error)
+            state.broken.append(broken)
+            registry.broken.append(broken)
+            state.plugins[index] = dataclasses.replace(info, error=error)
+            pm.unregister(name=info.name)  # disabled entirely: its lifecycle hooks must not run either
+            continue
+        for reg in staged:  # a name registered twice is a hard error naming both plugins
+            registry.add(reg)
+    return registry
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+class _Register:
+    """The ``register`` callback handed to one plugin's ``register_<kind>s`` hook; it checks what it is given."""
+
+    def __init__(self, kind: str, info: PluginInfo, staged: list[Registration]) -> None:
+        self.kind, self.info, self.staged = kind, info, staged
+        self.closed = False
+
+    def __repr__(self) -> str:  # shown by PALESTRA_TRACE_PLUGINS
+        return f"<register {self.kind} for plugin {self.info.name!r}>"
+
+    def __call__(self, name: str, factory: Callable[..., Any], *, options: type | None = None, description: str = "") -> None:
+        where = f"plugin {self.info.name!r} registering {self.kind} {name!r}"
+        if self.closed:
+            raise RuntimeError(f"{where}: register() was called after {KINDS[self.kind]} returned")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"{where}: the name must be a non-empty string of letters, digits, '_', '-' or '.'")
+        if not callable(factory):
+            raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}")
+        if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+            raise TypeError(f"{where}: options must be a dataclass type or None, got {options!r}")
+        if not isinstance(description, str):
+            raise TypeError(f"{where}: description must be a string, got {type(description).__name__}")
+        self.staged.append(
+            Registration(
+                kind=self.kind,
+                name=name,
+                factory=factory,
+                options=options,
+                description=description,
+                plugin=self.info.name,
+                distribution=self.info.distribution,
+            )
+        )
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+def _warn_broken(distribution: str, error: str) -> None:
+    warnings.warn(
+        f"plugin distribution {distribution!r} failed and is disabled: {error}",
+        PalestraPluginWarning,
+        stacklevel=3,
+    )
+
+
+def _enable_tracing(pm: pluggy.PluginManager) -> None:
+    """Write plugin loads and every hook call, with the plugins it reaches and what they return, to stderr."""
+    pm.trace.root.setwriter(lambda text: sys.stderr.write(text))  # looked up per call, so redirected stderr works
+    hooktrace = pm.trace.root.get("hook")
+
+    def before(hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+        hooktrace.root.indent += 1
+        hooktrace("call", hook_name, "->", [impl.plugin_name for impl in impls], kwargs)
+
+    def after(outcome: Any, hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+        if outcome.exception is None:
+            hooktrace("finish", hook_name, "-->", outcome.get_result())
+        else:
+            hooktrace("raised", hook_name, "-->", _one_line(outcome.exception))
+        hooktrace.root.indent -= 1
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _normalise(name: str) -> str:
+    """PEP 503 name normalisation, so PALESTRA_LOAD_PLUGINS=Palestra_Example matches palestra-example."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -1,0 +1,360 @@
+"""The interfaces Palestra's parts meet at: environments, rewards, policies, policy optimisers, loggers.
+
+Shapes follow one convention: ``B`` rows in a batch (prompts x group), ``P`` prompt tokens, ``T`` completion tokens.
+
+Environments are *batched* and *turn-based*. A batch holds ``B`` independent episodes (like PettingZoo's
+parallel API, one row per episode); inside an episode exactly one agent acts per turn (like PettingZoo's
+AEC API), and the environment says which agent that is in every :class:`Observation`. A single-agent,
+single-turn task (a prompt, one completion, done) is the special case with one agent id and one turn;
+a turn-based multi-agent pipeline (query understanding -> knowledge retrieval -> response generation)
+changes ``agent_id`` from turn to turn. Simultaneous moves are modelled as consecutive turns whose
+observations do not show each other's actions.
+
+Environments deal in text. Tokenisation belongs to the policy, but an environment may hand over chat
+``messages`` (for a chat template) or ready ``token_ids`` when it knows better.
+
+Rewards are separate components that score ``(prompt, completion, metadata)`` rows; ``metadata`` is the
+environment's per-episode dictionary (for example the ground-truth answer), so a reward never needs to
+know which environment produced a row. Every reward a config builds is called through
+:class:`palestra.rewards.CheckedReward`, which rejects bad outputs with a one-line error naming the reward.
+
+Only :class:`Experience` and the episode records carry behaviour here; the rest are
+:class:`typing.Protocol` classes that plugins implement (structurally: no base class to inherit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
+    import torch
+
+AgentId = str
+"""Who acts: a role name such as ``"assistant"``, ``"retriever"`` or ``"responder"``."""
+
+DEFAULT_AGENT: AgentId = "assistant"
+
+
+# ---- environments ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Message:
+    """One chat message, as chat templates expect it (see :meth:`as_dict`)."""
+
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass
+class Observation:
+    """What the agent that acts next in one episode sees.
+
+    ``prompt`` is always there: the full text to continue. ``messages`` is the same context as chat
+    messages, for policies that apply a chat template (prefer it when present). ``token_ids``, when the
+    environment sets it, is the exact prompt to feed the policy (skipping its tokenizer).
+    ``metadata`` is the episode's dictionary handed to rewards (ground truth, the task's parameters);
+    treat it as read-only. ``stop`` lists extra stop strings for this turn.
+    """
+
+    prompt: str
+    agent_id: AgentId = DEFAULT_AGENT
+    messages: list[Message] | None = None
+    token_ids: list[int] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] | None = None
+    turn: int = 0  # 0-based index of this turn within its episode
+
+
+@dataclass
+class StepResult:
+    """What :meth:`Environment.step` returns, one entry per batch row.
+
+    ``observations[i]`` is the next observation of episode ``i`` (``None`` once it is done);
+    ``done[i]`` says the episode ended with this step; ``info[i]`` maps agent id -> diagnostics for that
+    agent (what the environment parsed from its action, whether a tool call succeeded, ...), kept in the
+    :class:`Turn` record and never used as a reward by itself.
+    """
+
+    observations: list[Observation | None]
+    done: list[bool]
+    info: list[dict[AgentId, dict[str, Any]]]
+
+    def __post_init__(self) -> None:
+        n = len(self.observations)
+        if len(self.done) != n or len(self.info) != n:
+            raise ValueError(
+                f"StepResult: observations, done and info must have one entry per row; got lengths "
+                f"{n}, {len(self.done)} and {len(self.info)}"
+            )
+        for i, (obs, d) in enumerate(zip(self.observations, self.done)):
+            if (obs is None) != bool(d):
+                raise ValueError(f"StepResult: row {i} has done={d} but observation {'None' if obs is None else 'set'}")
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A batched, turn-based source of prompts for one or more agents (see the module docstring).
+
+    Lifecycle: ``obs = env.reset(batch_size, seed=..., group_size=G)``; then while some row is not done,
+    ``res = env.step(actions)`` where ``actions[i]`` is the text the agent named in row ``i``'s latest
+    observation produced (``None`` for rows already done), and ``res.observations`` are the next ones.
+    ``reset`` starts a new batch and forgets the old one. :func:`palestra.rollout.run_episodes` is the
+    reference driver.
+    """
+
+    agent_ids: tuple[AgentId, ...]
+    """Every agent that may act, in the order they first act (PettingZoo's ``possible_agents``)."""
+
+    max_turns: int
+    """An upper bound on turns per episode (1 for single-turn tasks); the driver stops there."""
+
+    def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:
+        """Start ``batch_size * group_size`` episodes and return their first observations.
+
+        Rows ``[g * group_size, (g + 1) * group_size)`` share one task (same prompt and metadata), so a
+        group-relative optimiser can compare completions of the same task. The same ``seed`` gives the
+        same tasks; ``seed=None`` draws fresh ones from the environment's own generator.
+        """
+        ...
+
+    def step(self, actions: Sequence[str | None]) -> StepResult:
+        """Apply one action per row (``None`` for rows already done) and advance every live episode one turn."""
+        ...
+
+
+# ---- episode records ---------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One turn of an episode: who acted, what they saw, what they produced, and what the environment made of it."""
+
+    agent_id: AgentId
+    observation: Observation
+    completion: str
+    info: dict[str, Any] = field(default_factory=dict)  # the acting agent's entry of StepResult.info
+
+
+@dataclass
+class Episode:
+    """A finished (or truncated) episode: its turns in order and its metadata (for rewards)."""
+
+    turns: list[Turn] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False  # stopped at max_turns before the environment said done
+
+    def by_agent(self, agent_id: AgentId) -> list[Turn]:
+        return [t for t in self.turns if t.agent_id == agent_id]
+
+    @property
+    def agents(self) -> list[AgentId]:
+        """Agents in the order they first acted."""
+        return list(dict.fromkeys(t.agent_id for t in self.turns))
+
+    @property
+    def last(self) -> Turn:
+        if not self.turns:
+            raise ValueError("the episode has no turns")
+        return self.turns[-1]
+
+    def transcript(self) -> str:
+        """A readable log: one ``[turn] agent: completion`` paragraph per turn."""
+        return "\n".join(f"[{i}] {t.agent_id}: {t.completion}" for i, t in enumerate(self.turns))
+
+
+# ---- rewards -----------------------------------------------------------------------------------------
+@dataclass
+class RewardOutput:
+    """A reward's result for a batch of ``B`` rows.
+
+    ``scores`` is the float tensor ``[B]`` the optimiser sees. ``components`` holds named ``[B]`` parts
+    for logging (a weighted sum reports every term); ``metrics`` holds scalars to log (which curriculum
+    layers are active, moving averages).
+    """
+
+    scores: torch.Tensor
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Reward(Protocol):
+    """Scores rows of ``(prompt, completion, metadata)``.
+
+    Return a float tensor ``[B]`` (a list of numbers or a 1-D array is accepted) or a
+    :class:`RewardOutput`. Everything must be finite. A reward with state that must survive a checkpoint
+    (moving averages, a curriculum's progress) also implements ``state_dict()`` / ``load_state_dict()``.
+    """
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor | Sequence[float] | RewardOutput: ...
+
+
+# ---- experience, policies, optimisers, loggers ------------------------------------------------------
+@dataclass
+class Experience:
+    """A batch of scored completions, ready for a policy update.
+
+    Token tensors are ``[B, T]`` (completion) and ``[B, P]`` (prompt, left-padded). ``completion_mask`` is
+    True on tokens the policy generated and that count in the loss (False on padding and on text an
+    environment inserted). ``advantages`` is ``[B]`` (one per completion, as in GRPO) or ``[B, T]``.
+    ``group_ids[b]`` names the task row ``b`` belongs to (rows of one group share a prompt).
+    """
+
+    prompt_ids: torch.Tensor  # [B, P] int64
+    prompt_mask: torch.Tensor  # [B, P] bool
+    completion_ids: torch.Tensor  # [B, T] int64
+    completion_mask: torch.Tensor  # [B, T] bool
+    behaviour_logprobs: torch.Tensor  # [B, T] float32: log-probs under the policy that sampled the tokens
+    rewards: torch.Tensor  # [B] float32
+    advantages: torch.Tensor  # [B] or [B, T] float32
+    group_ids: torch.Tensor  # [B] int64
+    agent_ids: list[AgentId]  # [B]
+    ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy, for a KL term
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B], for logging
+    metadata: list[dict[str, Any]] = field(default_factory=list)  # [B] (may be empty)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    def validate(self) -> Experience:
+        """Check shapes and dtypes agree; raise a one-line ValueError naming the field. Returns self."""
+        import torch
+
+        if self.completion_ids.dim() != 2:
+            raise ValueError(f"Experience.completion_ids: expected shape [B, T], got {list(self.completion_ids.shape)}")
+        b, t = self.completion_ids.shape
+        p = self.prompt_ids.shape[-1] if self.prompt_ids.dim() == 2 else -1
+        expected: dict[str, tuple[torch.Tensor | None, tuple[tuple[int, ...], ...]]] = {
+            "prompt_ids": (self.prompt_ids, ((b, p),)),
+            "prompt_mask": (self.prompt_mask, ((b, p),)),
+            "completion_mask": (self.completion_mask, ((b, t),)),
+            "behaviour_logprobs": (self.behaviour_logprobs, ((b, t),)),
+            "rewards": (self.rewards, ((b,),)),
+            "advantages": (self.advantages, ((b,), (b, t))),
+            "group_ids": (self.group_ids, ((b,),)),
+            "ref_logprobs": (self.ref_logprobs, ((b, t),)),
+            **{f"reward_components[{k!r}]": (v, ((b,),)) for k, v in self.reward_components.items()},
+        }
+        for name, (tensor, shapes) in expected.items():
+            if tensor is None:
+                continue
+            if tuple(tensor.shape) not in shapes:
+                want = " or ".join(str(list(s)) for s in shapes)
+                raise ValueError(f"Experience.{name}: expected shape {want} (B={b}, T={t}), got {list(tensor.shape)}")
+        for name in ("prompt_mask", "completion_mask"):
+            if getattr(self, name).dtype != torch.bool:
+                raise ValueError(f"Experience.{name}: expected dtype torch.bool, got {getattr(self, name).dtype}")
+        for name in ("prompt_ids", "completion_ids", "group_ids"):
+            if getattr(self, name).dtype != torch.int64:
+                raise ValueError(f"Experience.{name}: expected dtype torch.int64, got {getattr(self, name).dtype}")
+        for name in ("behaviour_logprobs", "rewards", "advantages", "ref_logprobs"):
+            tensor = getattr(self, name)
+            if tensor is not None and not tensor.is_floating_point():
+                raise ValueError(f"Experience.{name}: expected a floating dtype, got {tensor.dtype}")
+        if len(self.agent_ids) != b:
+            raise ValueError(f"Experience.agent_ids: expected {b} entries, got {len(self.agent_ids)}")
+        if self.metadata and len(self.metadata) != b:
+            raise ValueError(f"Experience.metadata: expected {b} entries (or none), got {len(self.metadata)}")
+        return self
+
+
+@dataclass
+class Generation:
+    """What :meth:`Policy.generate` returns for ``B`` observations."""
+
+    texts: list[str]  # [B] decoded completions (without the prompt)
+    prompt_ids: torch.Tensor  # [B, P] int64, left-padded
+    prompt_mask: torch.Tensor  # [B, P] bool
+    completion_ids: torch.Tensor  # [B, T] int64, right-padded
+    completion_mask: torch.Tensor  # [B, T] bool
+    logprobs: torch.Tensor  # [B, T] float32: log-probs of the sampled tokens under the sampling distribution
+
+
+class Policy(Protocol):
+    """A language model that acts: samples completions and scores tokens.
+
+    Implementations own their tokenizer, device and dtype. ``token_logprobs`` must be differentiable with
+    respect to ``parameters()``: it is what an optimiser's loss is built from.
+    """
+
+    def generate(
+        self,
+        observations: Sequence[Observation],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> Generation:
+        """Sample one completion per observation (stopping at EOS, ``max_new_tokens`` or the observation's ``stop``)."""
+        ...
+
+    def token_logprobs(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Log-probability ``[B, T]`` of each completion token given everything before it (0 where masked)."""
+        ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Any: ...
+
+
+class PolicyOptimizer(Protocol):
+    """An RL algorithm (GRPO, PPO, RLOO, ...): owns its advantage estimate, its loss and its update.
+
+    The trainer calls ``compute_advantages`` once per rollout, then ``update`` (which may run several
+    passes and micro-batches: ``train.updates_per_batch``, ``train.grad_accum``), and logs what it returns.
+    """
+
+    def compute_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """Advantages ``[B]`` (or ``[B, T]``) from rewards ``[B]`` and the group each row belongs to."""
+        ...
+
+    def loss(self, policy: Policy, batch: Experience) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scalar loss on ``batch`` (differentiable) and metrics to log (KL, clip fraction, entropy, ...)."""
+        ...
+
+    def update(self, policy: Policy, batch: Experience) -> dict[str, float]:
+        """Take the optimiser step(s) for ``batch``: backward, gradient clipping, parameter update. Returns metrics."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Logger(Protocol):
+    """A sink for scalar metrics (console, JSONL, TensorBoard, wandb, ...)."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+__all__ = [
+    "AgentId",
+    "DEFAULT_AGENT",
+    "Environment",
+    "Episode",
+    "Experience",
+    "Generation",
+    "Logger",
+    "Message",
+    "Observation",
+    "Policy",
+    "PolicyOptimizer",
+    "Reward",
+    "RewardOutput",
+    "StepResult",
+    "Turn",
+]

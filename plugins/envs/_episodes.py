@@ -1,0 +1,36 @@
+"""Bookkeeping shared by the built-in environments: seeding, group layout and checking ``step`` input."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def draw_tasks(
+    make: Callable[[random.Random], T], rng: random.Random, batch_size: int, seed: int | None, group_size: int, env: str
+) -> list[T]:
+    """``batch_size`` tasks from ``make``, each repeated ``group_size`` times in consecutive rows.
+
+    With a seed the tasks depend on the seed alone; without one they come from ``rng`` (the environment's
+    own generator), so consecutive resets differ.
+    """
+    for name, value in (("batch_size", batch_size), ("group_size", group_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{env}.reset: {name} must be a positive integer, got {value!r}")
+    source = random.Random(seed) if seed is not None else rng
+    tasks = [make(source) for _ in range(batch_size)]
+    return [task for task in tasks for _ in range(group_size)]
+
+
+def check_actions(env: str, actions: Sequence[str | None], live: Sequence[bool]) -> None:
+    """One action per row; a string for every live row (``None`` allowed only for finished rows)."""
+    if not any(live):
+        raise RuntimeError(f"{env}.step: every episode is done; call reset() to start new ones")
+    if len(actions) != len(live):
+        raise ValueError(f"{env}.step: got {len(actions)} actions for a batch of {len(live)} rows")
+    for i, (action, running) in enumerate(zip(actions, live)):
+        if running and not isinstance(action, str):
+            raise ValueError(f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}")
