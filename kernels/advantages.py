@@ -26,7 +26,7 @@ import torch
 
 from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
-from .utils import check, check_tensor, shape_str
+from .utils import check, check_tensor, shape_str, dtype_name
 
 __all__ = [
     "gae",
@@ -49,10 +49,6 @@ SCALES = {"none": 0, "group": 1, "batch": 2}
 # ---------------------------------------------------------------------------------------------------
 # Input checks and conversion
 # ---------------------------------------------------------------------------------------------------
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_unit_interval(op: str, name: str, x) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(x).__name__}")
@@ -77,7 +73,7 @@ def _as_mask(op: str, mask, rewards: torch.Tensor) -> torch.Tensor:
     check(
         not mask.is_complex(),
         op,
-        f"mask has dtype {_dtype_name(mask.dtype)}, expected bool or a real 0/1 dtype",
+        f"mask has dtype {dtype_name(mask.dtype)}, expected bool or a real 0/1 dtype",
     )
     check(
         mask.shape == rewards.shape,

@@ -13,6 +13,7 @@ picks one; ``PALESTRA_KERNELS=torch|cpp|cuda|triton`` or :func:`set_backend` (th
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ BACKENDS = ("torch", "cpp", "cuda", "triton")
 AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpp", "torch")}
 
 _forced: str | None = None
+_OPS: dict[str, "KernelOp"] = {}  # every KernelOp by name, for the compile-time constant lookup below
 
 
 class BackendUnavailable(KernelBuildError):
@@ -80,6 +82,9 @@ class KernelOp:
     libraries: dict[str, NativeLibrary] = field(default_factory=dict)
     _chosen: dict[tuple[str, str | None], str] = field(default_factory=dict)
     _warned: set = field(default_factory=set)
+
+    def __post_init__(self):
+        _OPS[self.name] = self
 
     def register(self, backend: str, library: NativeLibrary | None = None):
         """Decorator: ``@op.register("cpp", CPU_LIBRARY)`` registers the cpp implementation."""
@@ -139,10 +144,30 @@ class KernelOp:
         self._chosen[key] = chosen
         return chosen
 
-    def __call__(self, device: torch.device, backend: str | None = None) -> Callable:
-        """The implementation to call: ``backend`` if given (it must work), else the chosen one."""
-        if backend is None:
-            backend = self.backend_for(device)
-        else:
-            self._ready(backend, device)
-        return self.impls[backend]
+    def __call__(self, device: torch.device | str, backend: str | None = None) -> Callable:
+        """The implementation to call: ``backend`` if given (it must work), else the chosen one.
+
+        Safe under ``torch.compile(fullgraph=True)``: the choice is made eagerly at trace time and becomes
+        a constant of the graph (Dynamo cannot trace the build's lock)."""
+        return self.impls[_backend_name(self.name, str(device), backend)]
+
+
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo`` (about 2 s, and
+    Triton with it) when Dynamo is not loaded yet: the decorator only sets the marker Dynamo reads when it
+    meets the call."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
+def _backend_name(op: str, device: str, backend: str | None) -> str:
+    """The back end that serves ``op`` on ``device`` (building it on first use); ``backend`` if given,
+    after checking that it can run there."""
+    kernel_op, dev = _OPS[op], torch.device(device)
+    if backend is None:
+        return kernel_op.backend_for(dev)
+    kernel_op._ready(backend, dev)
+    return backend

@@ -34,7 +34,6 @@ Only first derivatives are provided (the backward op itself is not differentiabl
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
@@ -199,25 +198,7 @@ else:
     CPU_LIBRARY.on_load(_register_native_formulas)
 
 
-def _assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo`` (about 2 s, and
-    Triton with it) when Dynamo is not loaded yet: the decorator only sets this marker, which Dynamo reads
-    when it traces a call (tests/kernels/test_logprob_entropy.py compiles through it)."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
 
-
-@_assume_constant_result
-def _backend_name(device: str, backend: str | None) -> str:
-    """The back end serving ``device`` (building it on first use). Under torch.compile this runs once,
-    eagerly, at trace time and its answer is a constant: Dynamo cannot trace the build lock."""
-    dev = torch.device(device)
-    if backend is None:
-        return _op.backend_for(dev)
-    _op(dev, backend)  # raises if the requested back end cannot run on this device
-    return backend
 
 
 # ----------------------------------------------------------------------------------
@@ -250,6 +231,6 @@ def logprob_entropy(
     if not flat_logits.is_contiguous():
         flat_logits = flat_logits.contiguous()
     flat_tokens = tokens.reshape(-1).to(torch.int64).contiguous()
-    impl = _op.impls[_backend_name(str(flat_logits.device), backend)]
+    impl = _op(flat_logits.device, backend)
     logp, entropy = impl(flat_logits, flat_tokens, float(temperature), int(ignore_index))
     return logp.reshape(lead_shape), entropy.reshape(lead_shape)

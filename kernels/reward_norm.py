@@ -31,13 +31,12 @@ The op is not differentiable: its output carries no gradient (rewards are data, 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
-from .utils import check_tensor, shape_str
+from .utils import check_tensor, shape_str, dtype_name
 
 __all__ = ["RunningMoments", "normalize_rewards", "REWARD_DTYPES"]
 
@@ -46,10 +45,6 @@ REWARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 _op = KernelOp(OP)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ---- one-line messages, worded alike by every back end (the C++ kernel words them the same way) -------
@@ -62,7 +57,7 @@ def bad_segment_message(value: int, index: int, num_segments: int) -> str:
 
 def nonfinite_message(count: int, first: int, numel: int, dtype: torch.dtype) -> str:
     return (
-        f"{OP}: rewards ({_dtype_name(dtype)}, {numel} elements) has {count} non-finite value(s) (NaN/inf), "
+        f"{OP}: rewards ({dtype_name(dtype)}, {numel} elements) has {count} non-finite value(s) (NaN/inf), "
         f"the first at flat index {first}"
     )
 
@@ -338,25 +333,7 @@ else:
     CPU_LIBRARY.on_load(_register_fake)
 
 
-def _constant_result(fn):
-    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without that call's import of
-    ``torch._dynamo`` (seconds, and it imports triton) when Dynamo is not loaded yet: the mark is the
-    attribute Dynamo checks when it meets the call."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
 
-
-@_constant_result
-def _backend_name(device: str, backend: str | None) -> str:
-    """The back end serving ``device`` (building it on first use). Under torch.compile this runs eagerly
-    at trace time and its answer becomes a constant: Dynamo cannot trace the build's lock."""
-    dev = torch.device(device)
-    if backend is None:
-        return _op.backend_for(dev)
-    _op(dev, backend)  # raises if the requested back end cannot run on this device
-    return backend
 
 
 # ---- public entry point ------------------------------------------------------------------------------
@@ -418,7 +395,7 @@ def normalize_rewards(
         raise TypeError(f"{OP}: state must be a RunningMoments, got {type(state).__name__}")
     if state.device != rewards.device:
         raise ValueError(
-            f"{OP}: state is on {state.device} but rewards {shape_str(rewards)} ({_dtype_name(rewards.dtype)}) "
+            f"{OP}: state is on {state.device} but rewards {shape_str(rewards)} ({dtype_name(rewards.dtype)}) "
             f"are on {rewards.device}; move it with state.to({str(rewards.device)!r})"
         )
     clip_value = _clip_value(clip)
@@ -428,6 +405,6 @@ def normalize_rewards(
     flat = rewards.detach().reshape(-1).contiguous()
     if flat.numel() == 0:
         return torch.empty(rewards.shape, dtype=torch.float32, device=rewards.device)
-    impl = _op.impls[_backend_name(str(flat.device), backend)]
+    impl = _op(flat.device, backend)
     out = impl(flat, seg, state.count, state._mean, state.m2, clip_value, float(eps), bool(update))
     return out.view(rewards.shape)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check", "check_tensor", "shape_str", "triton_launch_settings", "next_power_of_2"]
+__all__ = ["check", "check_tensor", "dtype_name", "shape_str", "triton_launch_settings", "next_power_of_2"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def shape_str(t: torch.Tensor) -> str:
