@@ -154,7 +154,7 @@ def _add_ratios(rows: list[dict]) -> None:
 
 # ---- output -----------------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
-    head = f"{'op':<22} {'size':<22} {'impl':<16} {'time':>10} {'peak mem':>10} {'GB/s':>7}  speed-up vs baselines"
+    head = f"{'op':<24} {'size':<22} {'impl':<16} {'time':>10} {'peak mem':>10} {'GB/s':>7}  speed-up vs baselines"
     lines = [head, "-" * len(head)]
     for r in rows:
         t = "failed" if r["error"] else _fmt_time(r["seconds"])
@@ -163,7 +163,7 @@ def format_table(rows: list[dict]) -> str:
         ratios = ", ".join(f"{v:.2f}x {k}" for k, v in r.get("speedup_vs", {}).items())
         if r["error"]:
             ratios = r["error"][:80]
-        lines.append(f"{r['op']:<22} {r['size']:<22} {r['impl']:<16} {t:>10} {mem:>10} {gbps:>7}  {ratios}")
+        lines.append(f"{r['op']:<24} {r['size']:<22} {r['impl']:<16} {t:>10} {mem:>10} {gbps:>7}  {ratios}")
     return "\n".join(lines)
 
 
