@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import statistics
-import time
 
 import pytest
 import torch
 
 import cases_logprob_entropy as C
+from timing import DEVICE
+from timing import timed as _timed
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [pytest.param(c, id=f"{c['op']}-{c['size']}-{c['impl']}") for c in C.cases(DEVICE, quick=False)]
 ALL = [p.values[0] for p in CASES]
 _MEDIANS: dict[tuple[str, str, str], float] = {}
@@ -61,17 +61,6 @@ def fresh_pages_for_large_allocations():
         for param, value in _GLIBC_DEFAULTS.items():
             mallopt(param, value)
 
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
 
 
 def median_seconds(case: dict) -> float:

@@ -13,26 +13,16 @@ the ratios are printed too. Speed is reported, never asserted.
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
 
 import cases_reward_norm as C
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+from timing import DEVICE
+from timing import sync as _sync
+from timing import timed as _timed
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
 
 
 def interleaved(ours, baseline, min_time: float = 1.0, max_rounds: int = 60) -> tuple[list[float], list[float]]:

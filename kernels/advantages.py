@@ -19,7 +19,6 @@ as if the padding were cut out: a padding step neither resets nor discounts anyt
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import yaml
@@ -21,16 +20,6 @@ from palestra.plugin_manager import PalestraPluginWarning
 from palestra.types import Environment, RewardOutput
 
 pytestmark = pytest.mark.pip_install
-
-
-@pytest.fixture(scope="session")
-def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return plugin_installs.install_all(tmp_path_factory.mktemp("plugin-installs"))
-
-
-@pytest.fixture
-def in_process(monkeypatch: pytest.MonkeyPatch):
-    yield from plugin_installs.in_process(monkeypatch)
 
 
 @pytest.fixture

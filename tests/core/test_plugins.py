@@ -12,7 +12,6 @@ import importlib.metadata as metadata
 import json
 import tomllib
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -23,16 +22,6 @@ from palestra.plugin_manager import DEFAULT_PLUGINS, BuiltinPluginError, Palestr
 from palestra.registry import RegistryError
 
 pip_install = pytest.mark.pip_install
-
-
-@pytest.fixture(scope="session")
-def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return plugin_installs.install_all(tmp_path_factory.mktemp("plugin-installs"))
-
-
-@pytest.fixture
-def in_process(monkeypatch: pytest.MonkeyPatch):
-    yield from plugin_installs.in_process(monkeypatch)
 
 
 def plugin_warnings(record: list[warnings.WarningMessage]) -> list[str]:
