@@ -1,7 +1,7 @@
 // CUDA implementations of the advantage ops (schemas in ../ops.cpp): tensor checks, then the plain
 // launchers of advantages.cu on the current stream.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards, const at:
                                          bootstrap_value.const_data_ptr<float>(), adv.mutable_data_ptr<float>(),
                                          ret.mutable_data_ptr<float>(), B, T, static_cast<float>(gamma),
                                          static_cast<float>(gamma * lam), floored_log2(gamma * lam),
-                                         at::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
                op);
   return {adv, ret};
 }
@@ -79,7 +79,7 @@ at::Tensor discounted_returns_cuda(const at::Tensor& rewards, const at::Tensor& 
                                          reinterpret_cast<const uint8_t*>(mask.const_data_ptr<bool>()), nullptr,
                                          out.mutable_data_ptr<float>(), nullptr, B, T, static_cast<float>(gamma),
                                          static_cast<float>(gamma), floored_log2(gamma),
-                                         at::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
                op);
   return out;
 }
@@ -96,7 +96,7 @@ at::Tensor run_groups(const char* op, const at::Tensor& rewards, int64_t group_s
   auto workspace = at::empty({1}, rewards.options());
   check_launch(cuda::launch_group_advantages(rewards.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
                                              workspace.mutable_data_ptr<float>(), rewards.size(0), group_size, mode,
-                                             static_cast<float>(eps), at::cuda::getCurrentCUDAStream()),
+                                             static_cast<float>(eps), c10::cuda::getCurrentCUDAStream()),
                op);
   return out;
 }

@@ -1,7 +1,7 @@
 // CUDA implementations of palestra::logprob_entropy and palestra::logprob_entropy_backward (schemas in
 // ../ops.cpp): tensor checks, then the torch-free launchers of logprob_entropy.cu on the current stream.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cuda(const at::Te
   check_launch(cuda::launch_logprob_entropy_forward(
       logits.const_data_ptr(), logits_dtype(logits), tokens.const_data_ptr<int64_t>(), logp.mutable_data_ptr<float>(),
       entropy.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>(), N, V, static_cast<float>(1.0 / temperature),
-      ignore_index, at::cuda::getCurrentCUDAStream()));
+      ignore_index, c10::cuda::getCurrentCUDAStream()));
   return {logp, entropy, lse};
 }
 
@@ -89,7 +89,7 @@ at::Tensor logprob_entropy_backward_cuda(const at::Tensor& grad_logp, const at::
       g_logp.const_data_ptr<float>(), g_ent.const_data_ptr<float>(), logits.const_data_ptr(), logits_dtype(logits),
       tokens.const_data_ptr<int64_t>(), lse_f.const_data_ptr<float>(), ent_f.const_data_ptr<float>(),
       grad.mutable_data_ptr(), N, V, static_cast<float>(1.0 / temperature), ignore_index,
-      at::cuda::getCurrentCUDAStream()));
+      c10::cuda::getCurrentCUDAStream()));
   return grad;
 }
 

@@ -5,7 +5,7 @@
 // rewards and bad segment ids (a device-side assert would poison the CUDA context instead); the kernels
 // leave the state and the output untouched on a bad batch, so raising afterwards is safe.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -86,7 +86,7 @@ at::Tensor normalize_rewards_cuda(const at::Tensor& rewards, const std::optional
   const cudaError_t status = cuda::launch_normalize_rewards(
       rewards.data_ptr(), kind, seg, n, S, count.data_ptr<double>(), mean.data_ptr<double>(), m2.data_ptr<double>(),
       clip, eps, update, out.data_ptr<float>(), partials.data_ptr<double>(), chunk_errors.data_ptr<int64_t>(),
-      error_out.data_ptr<int64_t>(), coefficients.data_ptr<double>(), at::cuda::getCurrentCUDAStream());
+      error_out.data_ptr<int64_t>(), coefficients.data_ptr<double>(), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, "normalize_rewards: CUDA launch failed: ", cudaGetErrorString(status));
 
   const at::Tensor errors = error_out.cpu();  // waits for the stream: the one synchronisation

@@ -41,3 +41,45 @@ def test_bindings_exist_for_every_kernel():
         binding = cu.with_name(cu.stem + "_binding.cpp")
         assert binding.exists(), f"{cu.name} has no torch binding {binding.name}"
         assert "TORCH_LIBRARY_IMPL(palestra, CUDA" in binding.read_text()
+
+
+def _cuda_torch_include() -> list[str] | None:
+    """Include paths of a CUDA build of torch: this one's, or the headers named by PALESTRA_CUDA_TORCH_INCLUDE
+    (a CUDA torch wheel's ``torch/include``, unpacked), so the bindings can be checked on a CPU-only machine."""
+    import os
+
+    import torch
+
+    root = os.environ.get("PALESTRA_CUDA_TORCH_INCLUDE")
+    if root:
+        return [root, os.path.join(root, "torch", "csrc", "api", "include")]
+    if torch.version.cuda:
+        from torch.utils.cpp_extension import include_paths
+
+        return include_paths(device_type="cuda")
+    return None
+
+
+CUDA_TORCH_INCLUDE = _cuda_torch_include()
+def _cuda_toolkit_include() -> Path | None:
+    import os
+
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    homes.append(str(Path(NVCC).resolve().parent.parent) if NVCC else None)
+    for home in filter(None, homes):
+        if (Path(home) / "include" / "cuda_runtime_api.h").exists():
+            return Path(home) / "include"
+    return None
+
+
+CUDA_HOME_INCLUDE = _cuda_toolkit_include()
+
+
+@pytest.mark.skipif(CUDA_TORCH_INCLUDE is None or CUDA_HOME_INCLUDE is None, reason="needs a CUDA torch's headers and the CUDA toolkit")
+@pytest.mark.parametrize("binding", sorted((csrc_dir() / "cuda").glob("*_binding.cpp")), ids=lambda p: p.name)
+def test_cuda_binding_compiles_against_a_cuda_torch(binding: Path, tmp_path: Path):
+    cmd = ["g++", "-std=c++20", "-fPIC", "-c", str(binding), "-o", str(tmp_path / "binding.o"), "-I", str(binding.parent)]
+    for inc in [*CUDA_TORCH_INCLUDE, str(CUDA_HOME_INCLUDE)]:
+        cmd += ["-I", inc]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{binding.name} does not compile:\n{proc.stderr[-4000:]}"
