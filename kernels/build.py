@@ -45,7 +45,7 @@ def cache_root() -> Path:
 # (ops.cpp, shared headers) belong to every op.
 def _op_of(source_name: str) -> str:
     stem = Path(source_name).stem.removesuffix("_binding")
-    return stem if stem not in ("ops", "common", "bindings") else "all ops"
+    return stem if stem not in ("ops", "torch_names", "bindings") else "all ops"
 
 
 @dataclass
@@ -101,7 +101,8 @@ class NativeLibrary:
         import torch
 
         h = hashlib.sha256()
-        for f in files:
+        headers = sorted(csrc_dir().rglob("*.h")) + sorted(csrc_dir().rglob("*.cuh"))
+        for f in [*files, *headers]:  # a changed header must not load a stale cached build
             h.update(f.name.encode())
             h.update(f.read_bytes())
         for part in (*self._flags()[0], *self._flags()[1], torch.__version__, sys.version, _cpu_flags()):

@@ -27,6 +27,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "torch_names.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -363,16 +365,6 @@ void write_chunk(const T* x, const int64_t* seg, int64_t S, int64_t begin, int64
     }
   }
   if (check && !std::isfinite(probe)) scan_nonfinite(x, begin, end, err);
-}
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: return c10::toString(t);
-  }
 }
 
 ChunkErrors reduce_errors(const std::vector<ChunkErrors>& errs) {

@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "torch_names.h"
+
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -17,16 +19,6 @@
 
 namespace palestra {
 namespace {
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: return c10::toString(t);
-  }
-}
 
 void check_state(const char* name, const at::Tensor& t, int64_t S, const at::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device && t.scalar_type() == at::kDouble && t.dim() == 1 && t.numel() == S &&
