@@ -19,6 +19,7 @@ COMMANDS = {
     "plugins": "list installed plugins and what they register",
     "config": "show the resolved configuration",
     "bench": "benchmark the kernels against baselines",
+    "plot": "draw a run's metrics as a PNG dashboard",
 }
 
 

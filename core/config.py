@@ -187,7 +187,9 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"  # auto: cuda if available, else cpu
     log_every: int = option(1, ge=1)
-    eval_every: int = option(0, ge=0)  # 0: never
+    eval_every: int = option(0, ge=0)  # held-out evaluation every N steps (0: only before and after training)
+    eval_size: int = option(64, ge=1)  # held-out tasks per evaluation (greedy decoding, every reward layer counted)
+    reward_ema: float = option(0.9, ge=0, lt=1)  # decay of the logged reward moving average (reward/ema)
     save_every: int = option(0, ge=0)  # 0: only at the end
 
     def __post_init__(self) -> None:
@@ -199,7 +201,8 @@ class TrainConfig:
 
 
 def _default_environment() -> EnvironmentSpec:
-    return EnvironmentSpec("arithmetic", {"difficulty": 1})
+    # A short prompt: the built-in policy reads characters, so every prompt character costs compute.
+    return EnvironmentSpec("arithmetic", {"difficulty": 1, "prompt": "{question} ="})
 
 
 def _default_reward() -> RewardSpec:
@@ -217,10 +220,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     environment: EnvironmentSpec = field(default_factory=_default_environment)
     reward: RewardSpec = field(default_factory=_default_reward)
-    policy: PolicySpec | None = None
-    optimizer: OptimizerSpec | None = None
-    generator: GeneratorSpec | None = None
-    loggers: list[LoggerSpec] = field(default_factory=list)
+    policy: PolicySpec = field(default_factory=lambda: PolicySpec("tiny"))
+    optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("grpo"))
+    generator: GeneratorSpec = field(default_factory=lambda: GeneratorSpec("kv_cache"))
+    loggers: list[LoggerSpec] = field(default_factory=lambda: [LoggerSpec("console"), LoggerSpec("jsonl")])
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 

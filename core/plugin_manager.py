@@ -54,6 +54,18 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "palestra.plugins.envs.relay",
     "palestra.plugins.rewards.basic",
     "palestra.plugins.rewards.combinators",
+    "palestra.plugins.policies.tiny",
+    "palestra.plugins.policies.hf",
+    "palestra.plugins.generators.kv_cache",
+    "palestra.plugins.optimizers.reinforce",
+    "palestra.plugins.optimizers.ppo",
+    "palestra.plugins.optimizers.grpo",
+    "palestra.plugins.optimizers.rloo",
+    "palestra.plugins.optimizers.reinforce_pp",
+    "palestra.plugins.loggers.console",
+    "palestra.plugins.loggers.jsonl",
+    "palestra.plugins.loggers.tensorboard",
+    "palestra.plugins.loggers.wandb",
 )
 
 

@@ -104,6 +104,23 @@ class CheckedReward:
             checked.metrics[key] = float(value)
         return checked
 
+    def evaluate(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
+    ) -> RewardOutput:
+        """Score held-out rows against the full objective, leaving the reward's state (a curriculum's progress) unchanged.
+
+        A reward with its own ``evaluate`` (the combinators) decides what "full" means; any other reward is
+        called on a copy, so a stateful one is not advanced by evaluation.
+        """
+        inner = self.reward
+        target = inner.evaluate if hasattr(inner, "evaluate") else copy.deepcopy(inner)
+        return CheckedReward(target, name=self.name, path=self.path)(prompts, completions, metadata)
+
+    @property
+    def max_score(self) -> float | None:
+        """The best score a row can get (None when the reward does not say)."""
+        return max_score(self.reward)
+
     def _scores(self, value: Any, b: int, what: str, completions: Sequence[str]) -> torch.Tensor:
         import numpy as np
         import torch
@@ -162,6 +179,17 @@ class CheckedReward:
 
     def __repr__(self) -> str:
         return f"CheckedReward({self.label}, {self.reward!r})"
+
+
+def max_score(reward: Any) -> float | None:
+    """``reward.max_score`` when it declares one (an attribute or property), else None."""
+    value = getattr(reward, "max_score", None)
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
+def _evaluate(reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+    """A nested reward's held-out scores (see :meth:`CheckedReward.evaluate`)."""
+    return reward.evaluate(prompts, completions, metadata) if hasattr(reward, "evaluate") else reward(prompts, completions, metadata)
 
 
 def _snippet(value: Any) -> str:
@@ -236,6 +264,26 @@ class WeightedSum:
             total = weight * out.scores if total is None else total + weight * out.scores
         assert total is not None
         return RewardOutput(total, components, metrics)
+
+    def evaluate(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
+        components: dict[str, torch.Tensor] = {}
+        total: torch.Tensor | None = None
+        for label, weight, term in zip(self.labels, self.weights, self.terms):
+            out = _evaluate(term, prompts, completions, metadata)
+            _scores_of(out, label, components, {})
+            total = weight * out.scores if total is None else total + weight * out.scores
+        assert total is not None
+        return RewardOutput(total, components)
+
+    @property
+    def max_score(self) -> float | None:
+        """Each positive term at its best and each penalty at zero (None if a term does not declare its maximum)."""
+        best = [max_score(t) for t in self.terms]
+        if any(b is None for b in best):
+            return None
+        return sum(max(0.0, w * b) for w, b in zip(self.weights, best))  # type: ignore[operator]
 
     def state_dict(self) -> dict[str, Any]:
         return {"terms": {label: term.state_dict() for label, term in zip(self.labels, self.terms)}}
@@ -341,6 +389,32 @@ class Layered:
                     "layered reward: layer %d %r unlocked after %d calls (%r moving average %.3f >= %s)",
                     k, self.labels[k], self.calls, self.labels[w], ema, threshold,
                 )
+
+    def evaluate(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
+        """Every layer counts, locked or not (the curriculum's goal), and nothing is updated."""
+        components: dict[str, torch.Tensor] = {}
+        scores: dict[int, torch.Tensor] = {}
+        total: torch.Tensor | None = None
+        for k, (layer, reward) in enumerate(zip(self.options.layers, self.rewards)):
+            out = _evaluate(reward, prompts, completions, metadata)
+            scores[k] = out.scores
+            _scores_of(out, self.labels[k], components, {})
+            counted = out.scores
+            if k > 0 and self.options.gate_rows:
+                assert layer.unlock_at is not None
+                counted = counted * (scores[self.watched(k)] >= layer.unlock_at).to(counted.dtype)
+            total = layer.weight * counted if total is None else total + layer.weight * counted
+        assert total is not None
+        return RewardOutput(total, components)
+
+    @property
+    def max_score(self) -> float | None:
+        best = [max_score(r) for r in self.rewards]
+        if any(b is None for b in best):
+            return None
+        return sum(max(0.0, layer.weight * b) for layer, b in zip(self.options.layers, best))  # type: ignore[operator]
 
     @property
     def active(self) -> list[str]:

@@ -6,10 +6,14 @@ policy as the responder.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .types import AgentId, Environment, Episode, Observation, Turn
+from .types import AgentId, Environment, Episode, Experience, Generation, Generator, Observation, Policy, SamplingParams, Turn
+
+if TYPE_CHECKING:
+    import torch
 
 Responder = Callable[[list[Observation]], Sequence[str]]
 """Given the live rows' observations, return one completion per observation (same order)."""
@@ -74,3 +78,92 @@ def reward_rows(
         completions.append(turn.completion)
         metadata.append({**ep.metadata, "agent_id": turn.agent_id, "turn": turn.observation.turn, "info": turn.info})
     return prompts, completions, metadata
+
+
+# ---- rollouts with a policy ----------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """Finished episodes and, for every turn, the tokens the policy produced.
+
+    ``generations[c]`` is turn ``c`` of every episode that lasted that long, in episode order (the rows
+    :func:`run_episodes` handed the responder). :meth:`experience` lays the turns out one row each,
+    episode-major, so the rows of one task group stay consecutive.
+    """
+
+    episodes: list[Episode]
+    generations: list[Generation]
+    group_size: int = 1
+
+    def rows(self) -> list[tuple[int, int, int]]:
+        """``(episode, turn, row in generations[turn])`` for every turn, episode-major."""
+        position: dict[tuple[int, int], int] = {}
+        for c in range(len(self.generations)):
+            alive = [e for e, ep in enumerate(self.episodes) if len(ep.turns) > c]
+            position.update({(e, c): r for r, e in enumerate(alive)})
+        return [(e, c, position[(e, c)]) for e, ep in enumerate(self.episodes) for c in range(len(ep.turns))]
+
+    def reward_rows(self) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+        """One reward row per episode: its last turn (see :func:`reward_rows`)."""
+        return reward_rows(self.episodes)
+
+    def experience(
+        self, scores: torch.Tensor, components: Mapping[str, torch.Tensor] | None = None, *, pad_token_id: int = 0
+    ) -> Experience:
+        """An :class:`Experience` with one row per turn; each turn gets its episode's reward (the team reward)."""
+        import torch
+
+        rows = self.rows()
+        episode_of = torch.tensor([e for e, _, _ in rows], dtype=torch.int64)
+        if len(self.generations) == 1:  # single-turn: the rows are the generation itself
+            g = self.generations[0]
+            picked = [(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.logprobs)]
+        else:  # one row per turn, re-padded to common widths
+            picked = [tuple(x[r : r + 1] for x in self._tensors(c)) for _, c, r in rows]
+        pieces = [
+            Experience(
+                prompt_ids=p, prompt_mask=pm, completion_ids=c, completion_mask=cm, behaviour_logprobs=lp,
+                rewards=torch.zeros(p.shape[0]), advantages=torch.zeros(p.shape[0]),
+                group_ids=torch.zeros(p.shape[0], dtype=torch.int64), agent_ids=[""] * p.shape[0],
+            )
+            for p, pm, c, cm, lp in picked
+        ]
+        batch = pieces[0] if len(pieces) == 1 else Experience.concat(pieces, pad_token_id)
+        device = batch.completion_ids.device
+        episode_of = episode_of.to(device)
+        batch.rewards = scores.to(device=device, dtype=torch.float32)[episode_of]
+        batch.advantages = torch.zeros_like(batch.rewards)
+        batch.group_ids = torch.div(episode_of, self.group_size, rounding_mode="floor")
+        batch.reward_components = {k: v.to(device=device, dtype=torch.float32)[episode_of] for k, v in (components or {}).items()}
+        batch.agent_ids = [self.episodes[e].turns[c].agent_id for e, c, _ in rows]
+        batch.metadata = [{**self.episodes[e].metadata, "turn": c} for e, c, _ in rows]
+        return batch
+
+    def _tensors(self, turn: int) -> tuple[torch.Tensor, ...]:
+        g = self.generations[turn]
+        return g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.logprobs
+
+
+def collect(
+    env: Environment,
+    policy: Policy,
+    backend: Generator,
+    params: SamplingParams,
+    batch_size: int,
+    *,
+    group_size: int = 1,
+    seed: int | None = None,
+    rng: torch.Generator | None = None,
+) -> Rollout:
+    """Play ``batch_size * group_size`` episodes with ``policy`` answering every turn through the generation ``backend``.
+
+    ``seed`` picks the environment's tasks; ``rng`` drives the sampling.
+    """
+    generations: list[Generation] = []
+
+    def respond(observations: list[Observation]) -> list[str]:
+        out = backend.generate(policy, observations, params, generator=rng)
+        generations.append(out)
+        return list(out.texts)
+
+    episodes = run_episodes(env, respond, batch_size, seed=seed, group_size=group_size)
+    return Rollout(episodes, generations, group_size)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
@@ -215,6 +216,78 @@ class Experience:
     ref_logprobs: torch.Tensor | None = None  # [B, T] under the frozen reference policy, for a KL term
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B], for logging
     metadata: list[dict[str, Any]] = field(default_factory=list)  # [B] (may be empty)
+    returns: torch.Tensor | None = None  # [B, T] value targets (PPO), set by the optimiser's prepare()
+    old_values: torch.Tensor | None = None  # [B, T] values at rollout time (PPO value clipping)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...]: an optimiser's own per-row data
+
+    _ROW_FIELDS = (
+        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs", "rewards",
+        "advantages", "group_ids", "ref_logprobs", "returns", "old_values",
+    )
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> Experience:
+        """The rows ``index`` (a 1-D index tensor or list), every per-row field sliced alike."""
+        import torch
+
+        idx = index if isinstance(index, torch.Tensor) else torch.as_tensor(list(index), dtype=torch.int64)
+        idx = idx.to(self.completion_ids.device)
+        rows = idx.tolist()
+        picked = {k: (None if getattr(self, k) is None else getattr(self, k)[idx]) for k in self._ROW_FIELDS}
+        return Experience(
+            **picked,
+            agent_ids=[self.agent_ids[i] for i in rows],
+            reward_components={k: v[idx] for k, v in self.reward_components.items()},
+            metadata=[self.metadata[i] for i in rows] if self.metadata else [],
+            extras={k: v[idx] for k, v in self.extras.items()},
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[Experience], pad_token_id: int = 0) -> Experience:
+        """One batch from several, re-padding prompts (on the left) and completions (on the right) to a common width."""
+        import torch
+
+        if not batches:
+            raise ValueError("Experience.concat: no batches")
+        p = max(b.prompt_ids.shape[1] for b in batches)
+        t = max(b.completion_ids.shape[1] for b in batches)
+
+        def left(x: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=fill)
+
+        def right(x: torch.Tensor | None, width: int, fill: Any) -> torch.Tensor | None:
+            return None if x is None else torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
+
+        def cat(name: str, pad: Any) -> torch.Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if all(x is None for x in parts):
+                return None
+            if any(x is None for x in parts):
+                raise ValueError(f"Experience.concat: {name} is set in some batches and not in others")
+            return torch.cat([pad(x) for x in parts])
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:
+            return right(x, t, 0) if x.dim() == 2 else x  # type: ignore[return-value]
+
+        keys = set(batches[0].reward_components)
+        extras = set(batches[0].extras)
+        return Experience(
+            prompt_ids=cat("prompt_ids", lambda x: left(x, p, pad_token_id)),  # type: ignore[arg-type]
+            prompt_mask=cat("prompt_mask", lambda x: left(x, p, False)),  # type: ignore[arg-type]
+            completion_ids=cat("completion_ids", lambda x: right(x, t, pad_token_id)),  # type: ignore[arg-type]
+            completion_mask=cat("completion_mask", lambda x: right(x, t, False)),  # type: ignore[arg-type]
+            behaviour_logprobs=cat("behaviour_logprobs", per_token),  # type: ignore[arg-type]
+            rewards=cat("rewards", lambda x: x),  # type: ignore[arg-type]
+            advantages=cat("advantages", per_token),  # type: ignore[arg-type]
+            group_ids=cat("group_ids", lambda x: x),  # type: ignore[arg-type]
+            agent_ids=[a for b in batches for a in b.agent_ids],
+            ref_logprobs=cat("ref_logprobs", per_token),
+            returns=cat("returns", per_token),
+            old_values=cat("old_values", per_token),
+            reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in keys
+                               if all(k in b.reward_components for b in batches)},
+            metadata=[m for b in batches for m in b.metadata] if all(b.metadata for b in batches) else [],
+            extras={k: torch.cat([b.extras[k] for b in batches]) for k in extras if all(k in b.extras for b in batches)},
+        )
 
     @property
     def batch_size(self) -> int:
@@ -237,6 +310,8 @@ class Experience:
             "advantages": (self.advantages, ((b,), (b, t))),
             "group_ids": (self.group_ids, ((b,),)),
             "ref_logprobs": (self.ref_logprobs, ((b, t),)),
+            "returns": (self.returns, ((b, t),)),
+            "old_values": (self.old_values, ((b, t),)),
             **{f"reward_components[{k!r}]": (v, ((b,),)) for k, v in self.reward_components.items()},
         }
         for name, (tensor, shapes) in expected.items():
@@ -274,33 +349,44 @@ class Generation:
     logprobs: torch.Tensor  # [B, T] float32: log-probs of the sampled tokens under the sampling distribution
 
 
-class Policy(Protocol):
-    """A language model that acts: samples completions and scores tokens.
+@dataclass
+class SamplingParams:
+    """How to sample completions. ``temperature == 0`` means greedy decoding."""
 
-    Implementations own their tokenizer, device and dtype. ``token_logprobs`` must be differentiable with
-    respect to ``parameters()``: it is what an optimiser's loss is built from.
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings for every row (observations may add their own)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+
+
+class Policy(Protocol):
+    """A language model that acts: it encodes observations and scores tokens (see :class:`palestra.policy.CausalLMPolicy`).
+
+    Implementations own their tokenizer, device and dtype. ``score`` must be differentiable with respect
+    to ``parameters()``: it is what an optimiser's loss is built from. Sampling is a generator's job
+    (:class:`Generator`), which drives ``decode_step``.
     """
 
-    def generate(
-        self,
-        observations: Sequence[Observation],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-    ) -> Generation:
-        """Sample one completion per observation (stopping at EOS, ``max_new_tokens`` or the observation's ``stop``)."""
-        ...
+    tokenizer: Any
 
-    def token_logprobs(
+    def encode_observations(self, observations: Sequence[Observation]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def score(
         self,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Log-probability ``[B, T]`` of each completion token given everything before it (0 where masked)."""
+        *,
+        temperature: float = 1.0,
+        entropy: bool = True,
+        values: bool = False,
+    ) -> Any:
+        """A :class:`palestra.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked)."""
         ...
+
+    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]: ...
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
@@ -309,15 +395,38 @@ class Policy(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> Any: ...
 
 
+class Generator(Protocol):
+    """A generation back end (the built-in KV-cache sampler; vLLM and others can plug in here)."""
+
+    def generate(
+        self,
+        policy: Policy,
+        observations: Sequence[Observation],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Sample one completion per observation. ``generator`` seeds the sampling (same seed, same completions)."""
+        ...
+
+
 class PolicyOptimizer(Protocol):
     """An RL algorithm (GRPO, PPO, RLOO, ...): owns its advantage estimate, its loss and its update.
 
-    The trainer calls ``compute_advantages`` once per rollout, then ``update`` (which may run several
-    passes and micro-batches: ``train.updates_per_batch``, ``train.grad_accum``), and logs what it returns.
+    Lifecycle, driven by the trainer: ``setup`` once; then per step ``prepare`` (advantages, returns,
+    reference log-probs: no gradients) and ``update`` (``train.updates_per_batch`` passes of
+    ``train.grad_accum`` micro-batches each, gradient clipping, the parameter step). Most algorithms
+    subclass :class:`palestra.algorithm.Algorithm`, which implements everything but the advantages and the loss.
     """
 
-    def compute_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        """Advantages ``[B]`` (or ``[B, T]``) from rewards ``[B]`` and the group each row belongs to."""
+    needs_reference: bool  # True when the trainer must give setup() a frozen copy of the policy (a KL term)
+
+    def setup(self, policy: Policy, train: Any, *, reference: Policy | None = None) -> None:
+        """Bind the policy (adding a value head if the algorithm needs one) and build the torch optimiser from ``train``."""
+        ...
+
+    def prepare(self, batch: Experience) -> Experience:
+        """Fill in ``advantages`` (and ``returns``, ``old_values``, ``ref_logprobs`` as needed) for a fresh rollout."""
         ...
 
     def loss(self, policy: Policy, batch: Experience) -> tuple[torch.Tensor, dict[str, float]]:
@@ -334,7 +443,13 @@ class PolicyOptimizer(Protocol):
 
 
 class Logger(Protocol):
-    """A sink for scalar metrics (console, JSONL, TensorBoard, wandb, ...)."""
+    """A sink for scalar metrics (console, JSONL, TensorBoard, wandb, ...).
+
+    The trainer calls ``open`` once before the first ``log`` with the run directory and the whole config as
+    plain data, then ``log`` every ``train.log_every`` steps, then ``close`` (also after a failure).
+    """
+
+    def open(self, run_dir: Path, config: Mapping[str, Any]) -> None: ...
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
@@ -348,6 +463,7 @@ __all__ = [
     "Episode",
     "Experience",
     "Generation",
+    "Generator",
     "Logger",
     "Message",
     "Observation",
@@ -355,6 +471,7 @@ __all__ = [
     "PolicyOptimizer",
     "Reward",
     "RewardOutput",
+    "SamplingParams",
     "StepResult",
     "Turn",
 ]

@@ -1,4 +1,4 @@
-"""Train a policy: resolve the config, load the plugins, build and check the components, then run the trainer."""
+"""Train a policy: resolve the config, load the plugins, build and check the components, run the trainer, report."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ import sys
 import yaml
 
 from ..config import ComponentSpec, Config, ConfigError, build_component, load_config, to_plain
-
-# Exit status while the trainer is missing: distinct from success (0) and from user errors (2).
-NOT_YET = 3
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
@@ -44,19 +40,17 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
     config = load_config(args.config, args.overrides)
-    from palestra.kernels import set_backend  # imported here: torch is only needed once a config is valid
-
-    set_backend(config.kernels.backend)
-    env = build_component("environment", config.environment, path="environment")
-    reward = build_component("reward", config.reward, path="reward")
-    # A first batch checks the environment end to end before any model would be loaded.
-    first = env.reset(1, seed=config.run.seed)
     for line in summary(config):
+        print(line, file=sys.stderr)
+    from ..trainer import Trainer, format_before_after  # torch is only imported once the config is valid
+
+    trainer = Trainer(config)
+    result = trainer.train()
+    print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
+    for line in format_before_after(result.before, result.after):
         print(line)
-    print(f"checked: environment agents {', '.join(env.agent_ids)}; first prompt {first[0].prompt!r}; {reward.label} built")
-    print(
-        "palestra train: the trainer is not implemented yet (it lands with the gym issue); "
-        "the config and components above are valid, nothing was trained",
-        file=sys.stderr,
-    )
-    return NOT_YET
+    if (result.run_dir / "metrics.jsonl").exists():
+        from ..plotting import plot_dashboard
+
+        print(f"plot: {plot_dashboard(result.run_dir)}")
+    return 0

@@ -88,6 +88,7 @@ class ArithmeticEnv:
             agent_id=o.agent_id,
             messages=[Message("user", text)],
             metadata={"answer": str(task.answer), "question": task.question},
+            stop=[f"</{o.answer_tag}>"],  # nothing after the closing tag is read, so generating it is waste
         )
 
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:

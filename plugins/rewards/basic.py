@@ -60,6 +60,8 @@ class FormatOptions:
 class FormatReward:
     """1.0 if the completion is in the required format, else 0.0."""
 
+    max_score = 1.0
+
     def __init__(self, **options: Any) -> None:
         self.options: FormatOptions = check_options(FormatOptions, options, where="format")
         o = self.options
@@ -104,6 +106,8 @@ def _normalise_text(text: str) -> str:
 class CorrectnessReward:
     """1.0 if the completion's answer equals the expected answer in ``metadata[key]``, else 0.0."""
 
+    max_score = 1.0
+
     def __init__(self, **options: Any) -> None:
         self.options: CorrectnessOptions = check_options(CorrectnessOptions, options, where="correctness")
 
@@ -138,6 +142,8 @@ class LengthOptions:
 
 class LengthReward:
     """1.0 within ``target +- tolerance``, falling linearly to 0.0 at ``tolerance + target`` away from it."""
+
+    max_score = 1.0
 
     def __init__(self, **options: Any) -> None:
         self.options: LengthOptions = check_options(LengthOptions, options, where="length")

@@ -1,0 +1,520 @@
+"""The base of Palestra's RL algorithms: :class:`Algorithm` (implements :class:`palestra.types.PolicyOptimizer`).
+
+A subclass declares its ``Options`` dataclass (extending :class:`AlgorithmOptions`) and implements two
+methods:
+
+* ``advantages(batch) -> batch``: fill ``batch.advantages`` (and ``returns`` / ``old_values``) for a fresh
+  rollout; runs under ``torch.no_grad`` from :meth:`Algorithm.prepare`, after the reference log-probs;
+* ``loss(policy, batch) -> (loss, metrics)``: the differentiable scalar on one micro-batch, aggregated
+  with :meth:`Algorithm.aggregate`, and float metrics that are token means (:meth:`Algorithm.metric_mean`).
+
+The base does everything else: option checking, the AdamW optimiser and learning-rate schedule, the
+update loop (``train.updates_per_batch`` passes, each shuffled and split into ``train.grad_accum``
+micro-batches, one optimiser step per pass, gradient clipping), and checkpoints.
+
+Micro-batches are weighted so that a pass's gradient equals the full-batch gradient whatever
+``grad_accum`` is: with ``loss_agg="token_mean"`` each micro-batch counts by its share of the pass's
+tokens, otherwise by its share of rows (see :meth:`Algorithm.micro_weights`). TRL calls the former
+"dapo" (tokens of the whole accumulated batch); a per-micro-batch token mean divided by ``grad_accum``
+would instead weight short micro-batches' tokens more. Metrics are averaged over micro-batches by token
+share (so they equal the full batch's token means) and over passes; ``grad/norm`` and
+``grad/update_ratio`` are the mean over passes, ``lr`` the rate used by this update.
+
+Shared pieces used by the built-ins: :func:`kl_divergence` (Schulman's k1/k2/k3 estimators),
+:func:`group_size_of` (the group structure of ``batch.group_ids``), :func:`last_token_rewards` (a
+sequence reward on each row's last real token), :meth:`Algorithm.surrogate_terms` (the clipped PPO
+surrogate with entropy bonus and optional KL loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from .config import OptionError, check_options, option
+from .types import Experience
+
+if TYPE_CHECKING:  # torch is imported where it is used, so that loading the optimizer plugins stays light
+    import torch
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmOptions",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "group_size_of",
+    "kl_divergence",
+    "kl_shaped_rewards",
+    "last_token_rewards",
+    "lr_factor",
+]
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# exp() of a log-ratio beyond this overflows float32 long before it means anything; k3 clamps there.
+_MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class AlgorithmOptions:
+    """Options every algorithm has. Subclasses add theirs (all fields need defaults)."""
+
+    # Temperature the log-probs are scored at; must be the sampling temperature so that ratios against
+    # behaviour_logprobs are consistent. None: train.temperature (1.0 when that is 0, i.e. greedy).
+    temperature: float | None = option(None, gt=0)
+    entropy_coef: float = option(0.0, ge=0)  # entropy bonus: loss -= entropy_coef * entropy
+    # How per-token losses become one number: mean over all tokens of the batch; mean over rows of each
+    # row's token mean (length-biased, original GRPO); mean over rows of token sum / loss_norm_length (Dr.GRPO).
+    loss_agg: LossAgg = "token_mean"
+    loss_norm_length: int | None = option(None, ge=1)  # seq_mean_token_sum_norm's constant; None: train.max_new_tokens
+
+
+# ---- shared math ------------------------------------------------------------------------------------
+def kl_divergence(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
+    """Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman, "Approximating KL").
+
+    With ``log_r = ref_logp - logp``: ``k1 = -log_r`` (unbiased, high variance, can be negative),
+    ``k2 = log_r**2 / 2`` (biased, low variance), ``k3 = exp(log_r) - 1 - log_r`` (unbiased, >= 0, low
+    variance; ``log_r`` clamped to +-20 so that exp stays finite). Returns ``[B, T]``, 0 where ``mask`` is False.
+    """
+    import torch
+
+    if logp.shape != ref_logp.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"kl_divergence: logp {list(logp.shape)}, ref_logp {list(ref_logp.shape)} and mask "
+            f"{list(mask.shape)} must have one shape"
+        )
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        kl = -log_r
+    elif estimator == "k2":
+        kl = 0.5 * log_r.square()
+    elif estimator == "k3":
+        log_r = log_r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        kl = torch.expm1(log_r) - log_r
+    else:
+        raise ValueError(f"kl_divergence: unknown estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    return torch.where(mask, kl, torch.zeros_like(kl))
+
+
+def group_size_of(group_ids: torch.Tensor, where: str) -> int:
+    """The common size of the groups in ``group_ids`` [B]; each group's rows must be consecutive.
+
+    Raises a one-line ValueError (prefixed with ``where``) when a group is split or sizes differ.
+    """
+    if group_ids.dim() != 1 or group_ids.numel() == 0:
+        raise ValueError(f"{where}: batch.group_ids must have shape [B] with B >= 1, got {list(group_ids.shape)}")
+    ids = group_ids.tolist()
+    runs: list[int] = []
+    seen: set[int] = set()
+    for i, g in enumerate(ids):
+        if i and g == ids[i - 1]:
+            runs[-1] += 1
+            continue
+        if g in seen:
+            raise ValueError(
+                f"{where}: batch.group_ids {list(group_ids.shape)} must keep each group's rows consecutive; "
+                f"group {g} appears again at row {i}"
+            )
+        seen.add(g)
+        runs.append(1)
+    if len(set(runs)) != 1:
+        raise ValueError(
+            f"{where}: groups in batch.group_ids {list(group_ids.shape)} must all have the same size "
+            f"(train.group_size); got sizes {sorted(set(runs))}"
+        )
+    return runs[0]
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards ``[B, T]``: ``rewards[b]`` on row ``b``'s last real token, 0 elsewhere.
+
+    A row without any real token gets nothing (it has no action to credit).
+    """
+    import torch
+
+    b, t = mask.shape
+    positions = torch.arange(t, device=mask.device).expand(b, t)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(-1)
+    out = torch.zeros((b, t), dtype=torch.float32, device=mask.device)
+    has = last >= 0
+    rows = torch.arange(b, device=mask.device)[has]
+    out[rows, last[has]] = rewards[has].to(torch.float32)
+    return out
+
+
+def kl_shaped_rewards(batch: Experience, kl_coef: float, estimator: str) -> torch.Tensor:
+    """Token rewards ``[B, T]``: the sequence reward on the last real token, minus ``kl_coef`` times the
+    per-token KL estimate of the behaviour policy to the reference (``batch.ref_logprobs``) when ``kl_coef > 0``."""
+    rewards = last_token_rewards(batch.rewards, batch.completion_mask)
+    if kl_coef > 0:
+        if batch.ref_logprobs is None:
+            raise ValueError("kl_shaped_rewards: kl_coef > 0 needs batch.ref_logprobs (a reference policy)")
+        kl = kl_divergence(batch.behaviour_logprobs.float(), batch.ref_logprobs.float(), batch.completion_mask, estimator)
+        rewards = rewards - kl_coef * kl
+    return rewards
+
+
+def lr_factor(schedule: str, warmup_steps: int, total_steps: int):
+    """The learning-rate multiplier after ``s`` completed updates (LambdaLR's argument).
+
+    Warm-up rises linearly ``1/w, 2/w, ..., 1`` over the first ``w`` updates (never a zero-lr step);
+    then ``constant`` stays at 1, ``linear`` falls towards 0 at ``total_steps``, ``cosine`` follows half a
+    cosine to 0 at ``total_steps``. Neither decay reaches 0 within ``total_steps`` updates.
+    """
+
+    def factor(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (s - warmup_steps) / span)
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r}; choose constant, linear or cosine")
+
+    return factor
+
+
+# ---- the base class ---------------------------------------------------------------------------------
+class Algorithm:
+    """Base of the built-in policy optimisers (see the module docstring)."""
+
+    name: ClassVar[str] = "algorithm"  # the registered name; prefixes error messages
+    Options: ClassVar[type] = AlgorithmOptions
+    needs_value_head: ClassVar[bool] = False
+
+    def __init__(self, **options: Any) -> None:
+        import torch
+
+        self.options = check_options(self.Options, options, where=self.name)
+        self.policy: Any = None
+        self.reference: Any = None
+        self.train: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.temperature: float = 1.0
+        self.norm_length: int = 1
+        # Shuffles rows between micro-batches; its own generator so that sampling elsewhere does not move it.
+        self.shuffle_generator = torch.Generator()
+
+    # ---- what subclasses provide -------------------------------------------------------------------
+    @property
+    def needs_reference(self) -> bool:
+        """True when the loss or the advantages use a frozen reference policy (a KL term)."""
+        return False
+
+    def advantages(self, batch: Experience) -> Experience:
+        raise NotImplementedError
+
+    def loss(self, policy: Any, batch: Experience) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def extra_state(self) -> dict[str, Any]:
+        """State of the subclass beyond optimiser, schedule and shuffling (running moments, a replay buffer)."""
+        return {}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise KeyError(f"{self.name}.load_state_dict: unexpected extra state keys {sorted(state)}")
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def setup(self, policy: Any, train: Any, *, reference: Any = None) -> None:
+        """Bind ``policy`` (and ``reference``), add a value head if needed, build AdamW and the LR schedule."""
+        import torch
+
+        if self.needs_reference and reference is None:
+            raise ValueError(f"{self.name}: the KL term needs a frozen reference policy; setup() got reference=None")
+        self.policy, self.train = policy, train
+        self.reference = reference if self.needs_reference else None
+        if self.reference is not None:
+            self.reference.requires_grad_(False)
+        if self.needs_value_head:
+            policy.enable_value_head()
+        params = [p for p in policy.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{self.name}: the policy ({type(policy).__name__}) has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(train.lr_schedule, train.warmup_steps, train.steps)
+        )
+        o = self.options
+        self.temperature = o.temperature if o.temperature is not None else (train.temperature or 1.0)
+        self.norm_length = o.loss_norm_length if o.loss_norm_length is not None else train.max_new_tokens
+        # Derived from the process seed (the trainer seeds torch from run.seed), offset so that it does not
+        # replay the default generator's stream.
+        self.shuffle_generator.manual_seed((torch.initial_seed() + 0x5EED_5EED) % (2**63))
+
+    def _require_setup(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{self.name}.{what}: call setup(policy, train) first")
+
+    def prepare(self, batch: Experience) -> Experience:
+        """Reference log-probs (when there is a reference), then :meth:`advantages`; no gradients."""
+        import torch
+
+        self._require_setup("prepare")
+        batch.validate()
+        with torch.no_grad():
+            if self.reference is not None:
+                batch.ref_logprobs = self.score_in_chunks(self.reference, batch).logprobs
+            return self.advantages(batch)
+
+    def score_in_chunks(self, model: Any, batch: Experience, *, values: bool = False) -> Any:
+        """``model.score`` over ``batch`` in the update's micro-batch size (memory like a training step)."""
+        import torch
+        from .policy import TokenScores
+
+        n = batch.batch_size
+        size = max(1, math.ceil(n / self.train.grad_accum))
+        parts = []
+        for start in range(0, n, size):
+            s = slice(start, start + size)
+            parts.append(
+                model.score(
+                    batch.prompt_ids[s], batch.prompt_mask[s], batch.completion_ids[s], batch.completion_mask[s],
+                    temperature=self.temperature, entropy=False, values=values,
+                )
+            )
+        return TokenScores(
+            logprobs=torch.cat([p.logprobs for p in parts]),
+            values=torch.cat([p.values for p in parts]) if values else None,
+        )
+
+    def score(self, policy: Any, batch: Experience, *, values: bool = False) -> Any:
+        """The policy's differentiable scores on ``batch`` (log-probs and entropy, values if asked)."""
+        return policy.score(
+            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+            temperature=self.temperature, entropy=True, values=values,
+        )
+
+    # ---- the update --------------------------------------------------------------------------------------
+    def batch_for_update(self, batch: Experience) -> Experience:
+        """The rows one update trains on (a replay buffer adds old rows here)."""
+        return batch
+
+    def after_update(self, batch: Experience) -> None:
+        """Called once an update on ``batch`` (the fresh rows) is done."""
+
+    def micro_weights(self, batch: Experience, chunks: Sequence[torch.Tensor]) -> list[float]:
+        """Each micro-batch's share of the pass: tokens for ``token_mean``, rows otherwise (sums to 1)."""
+        if self.options.loss_agg == "token_mean":
+            return token_weights(batch, chunks)
+        n = batch.batch_size
+        return [len(idx) / n for idx in chunks]
+
+    def update(self, policy: Any, batch: Experience) -> dict[str, float]:
+        """``train.updates_per_batch`` passes, each one optimiser step over ``train.grad_accum`` micro-batches."""
+        import torch
+
+        self._require_setup("update")
+        if policy is not self.policy:
+            raise ValueError(f"{self.name}.update: policy is not the one given to setup()")
+        assert self.optimizer is not None and self.scheduler is not None
+        rows = self.batch_for_update(batch)
+        n, k = rows.batch_size, self.train.grad_accum
+        if n < k:
+            raise ValueError(f"{self.name}.update: the batch has {n} rows, fewer than train.grad_accum={k} micro-batches")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.train.max_grad_norm
+        totals: dict[str, float] = {}
+        passes = self.train.updates_per_batch
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        for pass_index in range(passes):
+            order = torch.randperm(n, generator=self.shuffle_generator)
+            chunks = [c for c in torch.tensor_split(order, k)]
+            weights = self.micro_weights(rows, chunks)
+            token_shares = token_weights(rows, chunks)  # metrics are token means (see metric_mean)
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics: dict[str, float] = {"loss": 0.0}
+            for micro_index, (w, share, idx) in enumerate(zip(weights, token_shares, chunks)):
+                micro = rows.select(idx)
+                loss, micro_metrics = self.loss(policy, micro)
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise FloatingPointError(
+                        f"{self.name}.update: non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} "
+                        f"({micro.batch_size} rows)"
+                    )
+                (loss * w).backward()
+                metrics["loss"] += w * value
+                for key, v in micro_metrics.items():
+                    metrics[key] = metrics.get(key, 0.0) + share * float(v)
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+            )
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"{self.name}.update: non-finite gradient norm ({grad_norm}) in pass {pass_index}")
+            before = [p.detach().clone() for p in params]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["grad/norm"] = grad_norm
+            metrics["grad/update_ratio"] = update_ratio(before, params)
+            for key, v in metrics.items():
+                totals[key] = totals.get(key, 0.0) + v / passes
+        self.scheduler.step()
+        self.after_update(batch)
+        totals["lr"] = lr
+        return totals
+
+    # ---- loss helpers ----------------------------------------------------------------------------------
+    def aggregate(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token ``x [B, T]`` -> a scalar, as ``options.loss_agg`` says (masked positions ignored)."""
+        m = mask.to(x.dtype)
+        agg = self.options.loss_agg
+        if agg == "token_mean":
+            return (x * m).sum() / m.sum().clamp(min=1)
+        if agg == "seq_mean_token_mean":
+            return ((x * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+        if agg == "seq_mean_token_sum_norm":
+            return ((x * m).sum(-1) / self.norm_length).mean()
+        raise ValueError(f"{self.name}: loss_agg: unknown aggregation {agg!r}")
+
+    @staticmethod
+    def metric_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The mean of ``x`` over valid tokens, detached: how metrics are reported, whatever ``loss_agg`` is."""
+        m = mask.to(x.dtype)
+        return ((x.detach() * m).sum() / m.sum().clamp(min=1))
+
+    @staticmethod
+    def token_advantages(batch: Experience) -> torch.Tensor:
+        """``batch.advantages`` as ``[B, T]`` (a per-row advantage repeated over the row's tokens)."""
+        import torch
+
+        adv = batch.advantages
+        if adv.dim() == 1:
+            adv = adv[:, None].expand_as(batch.completion_mask)
+        return adv.to(torch.float32)
+
+    def surrogate_terms(
+        self,
+        scores: Any,
+        batch: Experience,
+        *,
+        clip_low: float,
+        clip_high: float,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped PPO surrogate per token, minus the entropy bonus, plus ``kl_coef`` * KL when > 0.
+
+        ``ratio = exp(logp - behaviour_logp)``; ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``.
+        Returns the per-token loss ``[B, T]`` and metric tensors (clip fraction, ratio mean, entropy, KL).
+        ``policy/kl`` is reported whenever the batch has reference log-probs.
+        """
+        import torch
+
+        mask = batch.completion_mask
+        adv = self.token_advantages(batch)
+        logp = scores.logprobs
+        log_ratio = torch.where(mask, logp - batch.behaviour_logprobs.to(logp.dtype), torch.zeros_like(logp))
+        ratio = torch.exp(log_ratio)
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+        with torch.no_grad():
+            clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+            metrics = {
+                "policy/clip_frac": self.metric_mean(clipped.to(logp.dtype), mask),
+                "policy/ratio_mean": self.metric_mean(ratio, mask),
+            }
+        per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics, kl_coef=kl_coef, kl_estimator=kl_estimator)
+        return per_token, metrics
+
+    def add_entropy_and_kl(
+        self,
+        per_token: torch.Tensor,
+        scores: Any,
+        batch: Experience,
+        metrics: dict[str, torch.Tensor],
+        *,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+    ) -> torch.Tensor:
+        """``per_token - entropy_coef * entropy + kl_coef * KL``; adds the entropy and KL metrics."""
+        mask = batch.completion_mask
+        if scores.entropy is not None:
+            if self.options.entropy_coef > 0:
+                per_token = per_token - self.options.entropy_coef * scores.entropy
+            metrics["policy/entropy"] = self.metric_mean(scores.entropy, mask)
+        if batch.ref_logprobs is not None:
+            kl = kl_divergence(scores.logprobs, batch.ref_logprobs.to(scores.logprobs.dtype), mask, kl_estimator)
+            if kl_coef > 0:
+                per_token = per_token + kl_coef * kl
+            metrics["policy/kl"] = self.metric_mean(kl, mask)
+        elif kl_coef > 0:
+            raise ValueError(f"{self.name}: the KL term needs batch.ref_logprobs; run prepare() with a reference policy")
+        return per_token
+
+    @staticmethod
+    def floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+        """Metric tensors as python floats (one device sync)."""
+        import torch
+
+        keys = list(metrics)
+        values = [metrics[k] for k in keys]
+        tensors = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+        stacked = iter(torch.stack(tensors).tolist()) if tensors else iter(())
+        return {k: (next(stacked) if isinstance(v, torch.Tensor) else float(v)) for k, v in zip(keys, values)}
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Optimiser, LR schedule, the shuffling generator and the subclass's extra state."""
+        self._require_setup("state_dict")
+        assert self.optimizer is not None and self.scheduler is not None
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            "extra": self.extra_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`setup` with the restored policy)."""
+        self._require_setup("load_state_dict")
+        assert self.optimizer is not None and self.scheduler is not None
+        want = {"optimizer", "scheduler", "shuffle_generator", "extra"}
+        if set(state) != want:
+            raise KeyError(
+                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, "
+                f"unexpected keys {sorted(set(state) - want)}"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+        self.load_extra_state(state["extra"])
+
+
+def token_weights(batch: Experience, chunks: Sequence[torch.Tensor]) -> list[float]:
+    """Each chunk's share of the batch's valid tokens (its share of rows when there are no tokens)."""
+    tokens = batch.completion_mask.sum(-1)
+    total = int(tokens.sum())
+    if total == 0:
+        return [len(idx) / batch.batch_size for idx in chunks]
+    return [int(tokens[idx].sum()) / total for idx in chunks]
+
+
+def update_ratio(before: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> float:
+    """``||theta_after - theta_before|| / ||theta_before||`` over all parameters (0 when theta is 0)."""
+    import torch
+
+    delta = torch.zeros((), dtype=torch.float64)
+    norm = torch.zeros((), dtype=torch.float64)
+    for b, p in zip(before, params):
+        delta += (p.detach().double() - b.double()).square().sum().cpu()
+        norm += b.double().square().sum().cpu()
+    return float(delta.sqrt() / norm.sqrt()) if float(norm) > 0 else 0.0
+
+
+def check_option(condition: bool, key: str, message: str) -> None:
+    """Raise :class:`OptionError` for ``key`` unless ``condition`` (for options' ``__post_init__``)."""
+    if not condition:
+        raise OptionError(key, message)

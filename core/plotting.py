@@ -1,0 +1,280 @@
+"""Read a run's ``metrics.jsonl`` and draw it as one PNG dashboard (``palestra plot RUN_DIR``).
+
+The dashboard is a grid of panels, one per group of metrics that the run logged: reward (mean, EMA, each
+reward component, held-out eval points, the maximum as a dashed line), policy entropy, KL, clip fraction,
+value loss, explained variance, grad norm, update ratio (log scale), response length, tokens/s; every
+other numeric metric lands in a panel named after its first path component (``perf/step_s`` -> "perf"),
+one curve per key. A key that extends a known metric (``policy/entropy/responder``, as per-agent metrics
+are named) is drawn as an extra curve in that metric's panel. Panels without data are left out.
+
+matplotlib is imported only when drawing, and only through its object API with the Agg canvas (no pyplot,
+no global backend switch), so this works headless and inside other programs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+DASHBOARD_FILE = "dashboard.png"
+_NOT_METRICS = ("step", "time")
+
+
+class MetricsNotFoundError(FileNotFoundError):
+    """The run directory or its metrics file is missing (a user error: one line naming the path)."""
+
+    palestra_user_error = True
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class MetricsFileWarning(UserWarning):
+    """Lines of a metrics file that could not be read (other than a last line cut short by a crash)."""
+
+
+# ---- reading -----------------------------------------------------------------------------------------
+def metrics_path(run_dir: str | Path) -> Path:
+    """``<run_dir>/metrics.jsonl`` (or ``run_dir`` itself when it names a file); raises when it does not exist."""
+    path = Path(run_dir)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise MetricsNotFoundError(f"run directory {str(path)!r} does not exist")
+    if not (path / METRICS_FILE).is_file():
+        raise MetricsNotFoundError(f"{str(path)!r} has no {METRICS_FILE} (was the run logged with the jsonl logger?)")
+    return path / METRICS_FILE
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl``, in file order, with ``null`` read back as NaN.
+
+    A last line cut short (the run crashed mid-write) is dropped silently; any other unreadable line is
+    dropped with a :class:`MetricsFileWarning` that says how many and where.
+    """
+    path = metrics_path(run_dir)
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records: list[dict[str, Any]] = []
+    bad: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            if number != len(lines):
+                bad.append(number)
+            continue
+        records.append({k: (math.nan if v is None else v) for k, v in record.items()})
+    if bad:
+        warnings.warn(
+            f"{path}: skipped {len(bad)} unreadable line(s) (first at line {bad[0]})", MetricsFileWarning, stacklevel=2
+        )
+    return records
+
+
+# ---- planning the panels -----------------------------------------------------------------------------
+@dataclass
+class Series:
+    """One curve: ``values[i]`` was logged at ``steps[i]``; ``style`` is 'line', 'points' or 'hline' (a constant)."""
+
+    label: str
+    steps: list[float]
+    values: list[float]
+    style: str = "line"
+
+
+@dataclass
+class Panel:
+    title: str
+    series: list[Series] = field(default_factory=list)
+    log_y: bool = False
+    legend: bool = False  # also with one curve (a group panel, whose title does not name the curve)
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A panel for known metric keys: ``keys`` exactly, or any key under ``prefix`` when it is set."""
+
+    title: str
+    keys: tuple[str, ...] = ()
+    prefix: str | None = None
+    log_y: bool = False
+
+
+# In dashboard order. Per-agent variants (``<key>/<agent>``) of these keys join their panel.
+KNOWN_PANELS: tuple[_Known, ...] = (
+    _Known("reward", prefix="reward/"),
+    _Known("policy entropy", ("policy/entropy",)),
+    _Known("KL to reference", ("policy/kl",)),
+    _Known("clip fraction", ("policy/clip_frac",)),
+    _Known("value loss", ("value/loss",)),
+    _Known("explained variance", ("value/explained_var",)),
+    _Known("grad norm", ("grad/norm",)),
+    _Known("update ratio", ("grad/update_ratio",), log_y=True),
+    _Known("response length", ("response/length",)),
+    _Known("tokens/s", ("perf/tokens_per_s", "perf/gen_tokens_per_s")),  # whole step, and generation alone
+    _Known("loss", ("loss",)),
+    _Known("learning rate", ("lr",)),
+)
+
+
+def _numeric_columns(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """key -> (steps, values) for every key with at least one finite number, in first-seen key order."""
+    columns: dict[str, tuple[list[float], list[float]]] = {}
+    for i, record in enumerate(records):
+        step = record.get("step", i)
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            step = i
+        for key, value in record.items():
+            if value is None:
+                value = math.nan  # JSON null: a non-finite value, kept as a gap in the curve
+            if key in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            steps, values = columns.setdefault(key, ([], []))
+            steps.append(float(step))
+            values.append(float(value))
+    return {k: v for k, v in columns.items() if any(math.isfinite(x) for x in v[1])}
+
+
+def _belongs(key: str, known: _Known) -> bool:
+    if known.prefix is not None:
+        return key.startswith(known.prefix)
+    return any(key == k or key.startswith(k + "/") for k in known.keys)
+
+
+def _label(key: str, known: _Known | None) -> str:
+    """The legend entry: the key without the part the panel's title already says."""
+    if known is not None and known.prefix is not None:
+        return key[len(known.prefix) :] or key
+    if known is not None:
+        for k in known.keys:
+            if key.startswith(k + "/"):
+                return key[len(k) + 1 :]
+        return key.rsplit("/", 1)[-1]  # the key itself (beside its per-agent variants, or a sibling key)
+    return key.split("/", 1)[1] if "/" in key else key
+
+
+def plan_panels(records: Iterable[Mapping[str, Any]]) -> list[Panel]:
+    """The dashboard's panels, in order, for these records (no drawing; the tests check this)."""
+    columns = _numeric_columns(records)
+    known_members: dict[str, list[str]] = {p.title: [] for p in KNOWN_PANELS}
+    extra_groups: dict[str, list[str]] = {}
+    eval_reward: list[str] = []
+    for key in columns:
+        if key == "eval/reward" or key.startswith("eval/reward/"):
+            eval_reward.append(key)  # held-out reward: points on the reward panel
+            continue
+        home = next((p for p in KNOWN_PANELS if _belongs(key, p)), None)
+        if home is not None:
+            known_members[home.title].append(key)
+        else:
+            extra_groups.setdefault(key.split("/", 1)[0], []).append(key)
+
+    panels: list[Panel] = []
+    for known in KNOWN_PANELS:
+        keys = known_members[known.title]
+        if known.title == "reward":
+            keys = keys + eval_reward
+        if not keys:
+            continue
+        panel = Panel(known.title, log_y=known.log_y)
+        for key in _reward_order(keys) if known.title == "reward" else keys:
+            steps, values = columns[key]
+            if key in eval_reward:
+                panel.series.append(Series("eval" + key[len("eval/reward") :], steps, values, style="points"))
+            elif key == "reward/max":
+                panel.series.append(Series("max", steps, values, style="hline"))
+            else:
+                panel.series.append(Series(_label(key, known), steps, values))
+        panels.append(panel)
+    for group in sorted(extra_groups):
+        panel = Panel(group, legend=True)
+        for key in extra_groups[group]:
+            steps, values = columns[key]
+            # held-out evaluation runs every few steps: markers, like the eval points on the reward panel
+            panel.series.append(Series(_label(key, None), steps, values, style="points" if group == "eval" else "line"))
+        panels.append(panel)
+    return panels
+
+
+def _reward_order(keys: list[str]) -> list[str]:
+    """mean, then EMA, then the components in logged order, then eval points, then the maximum."""
+    first = [k for k in ("reward/mean", "reward/ema") if k in keys]
+    last = [k for k in keys if k == "reward/max"]
+    evals = [k for k in keys if k.startswith("eval/")]
+    return first + [k for k in keys if k not in first and k not in last and k not in evals] + evals + last
+
+
+# ---- drawing -----------------------------------------------------------------------------------------
+def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, columns: int = 3) -> Path:
+    """Draw ``<run_dir>/metrics.jsonl`` as a grid of panels into ``out`` (default ``<run_dir>/dashboard.png``)."""
+    path = metrics_path(run_dir)
+    run_path = path.parent  # the run directory, also when run_dir named the metrics file itself
+    records = read_metrics(path)
+    panels = plan_panels(records)
+    if not panels:
+        raise ValueError(f"{path}: no numeric metrics to plot ({len(records)} record(s))")
+    target = Path(out) if out is not None else run_path / DASHBOARD_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    draw_panels(panels, target, title=run_path.resolve().name, columns=columns)
+    return target
+
+
+def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ncols = max(1, min(columns, len(panels)))
+    nrows = math.ceil(len(panels) / ncols)
+    height = 3.4 * nrows + 0.7
+    fig = Figure(figsize=(5.0 * ncols, height))
+    FigureCanvasAgg(fig)
+    fig.suptitle(title, fontsize=14, fontweight="bold", y=1 - 0.15 / height, va="top")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    steps = [x for p in panels for s in p.series for x in s.steps]
+    pad = 0.02 * (max(steps) - min(steps)) or 0.5  # room for the markers on the first and last step
+    span = (min(steps) - pad, max(steps) + pad)
+    for ax, panel in zip(axes.flat, panels):
+        _draw_panel(ax, panel)
+        ax.set_xlim(*span)  # one step axis for every panel, so events line up down the grid
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    # Fixed margins rather than constrained layout: as readable for a uniform grid, and half the drawing time.
+    fig.subplots_adjust(left=0.75 / (5.0 * ncols), right=1 - 0.3 / (5.0 * ncols), bottom=0.55 / height, top=1 - 0.85 / height, wspace=0.28, hspace=0.42)
+    fig.savefig(out, dpi=100)
+
+
+def _draw_panel(ax: Any, panel: Panel) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(panel.title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    for s in panel.series:
+        if s.style == "hline":
+            finite = [v for v in s.values if math.isfinite(v)]
+            ax.axhline(finite[-1], linestyle="--", color="grey", linewidth=1, label=f"{s.label} ({finite[-1]:.3g})")
+        elif s.style == "points":
+            ax.plot(s.steps, s.values, linestyle="none", marker="o", markersize=4, label=s.label)
+        else:
+            # a single logged value would be an invisible line: show it as a marker
+            ax.plot(s.steps, s.values, linewidth=1.4, marker="." if len(s.steps) == 1 else None, label=s.label)
+    if panel.log_y and any(v > 0 for s in panel.series for v in s.values if math.isfinite(v)):
+        ax.set_yscale("log", nonpositive="mask")
+    else:  # 1e-4 as "1e-4" above the axis rather than "0.000100" on every tick: keeps the labels inside the margin
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+    ax.grid(True, alpha=0.3)
+    if panel.legend or len(panel.series) > 1:
+        ax.legend(fontsize=7, loc="best", ncols=2 if len(panel.series) > 6 else 1)

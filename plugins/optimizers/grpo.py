@@ -1,0 +1,82 @@
+"""GRPO (Shao et al., DeepSeekMath) and Dr.GRPO (Liu et al., "Understanding R1-Zero-like training").
+
+Advantages are group-relative: each completion's reward minus the mean of its prompt's group
+(``palestra.kernels.group_advantages``), divided by the group's std for GRPO (``scale="group"``) and
+not scaled for Dr.GRPO. The loss is the clipped PPO surrogate per token against the behaviour
+log-probs, plus ``beta`` times the k3 KL estimate to a frozen reference when ``beta > 0``.
+
+Defaults follow TRL's ``GRPOConfig``: ``beta=0`` (no reference model), ``clip_eps=0.2``,
+``scale="group"``, and token-level aggregation over the whole batch (TRL's default ``"dapo"``; ours is
+``loss_agg="token_mean"``). ``dr_grpo`` is the same algorithm with ``scale="none"`` and
+``loss_agg="seq_mean_token_sum_norm"`` (each row's token sum divided by ``train.max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from palestra import hookimpl
+from palestra.algorithm import Algorithm, AlgorithmOptions, KLEstimator, LossAgg, group_size_of
+from palestra.config import option
+from palestra.types import Experience
+
+
+@dataclass
+class GRPOOptions(AlgorithmOptions):
+    beta: float = option(0.0, ge=0)  # KL coefficient to the frozen reference; 0: no reference model
+    kl_estimator: KLEstimator = "k3"  # Schulman's estimator for the KL term (k3: unbiased, >= 0)
+    clip_eps: float = option(0.2, gt=0, lt=1)  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float | None = option(None, gt=0)  # None: clip_eps (DAPO's clip-higher uses 0.28)
+    scale: Literal["group", "batch", "none"] = "group"  # divide centred rewards by the group's / batch's std, or not
+    std_eps: float = option(1e-4, gt=0)  # added to the std (a group of equal rewards gives 0, not NaN)
+    loss_agg: LossAgg = "token_mean"
+
+
+@dataclass
+class DrGRPOOptions(GRPOOptions):
+    scale: Literal["group", "batch", "none"] = "none"
+    loss_agg: LossAgg = "seq_mean_token_sum_norm"
+
+
+class GRPO(Algorithm):
+    """Group-relative advantages, clipped surrogate, optional KL to a reference (k3)."""
+
+    name = "grpo"
+    Options = GRPOOptions
+    options: GRPOOptions
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.options.beta > 0
+
+    def advantages(self, batch: Experience) -> Experience:
+        from palestra.kernels import group_advantages
+
+        g = group_size_of(batch.group_ids, self.name)
+        batch.advantages = group_advantages(batch.rewards, g, scale=self.options.scale, eps=self.options.std_eps)
+        return batch
+
+    def loss(self, policy: Any, batch: Experience):
+        o = self.options
+        scores = self.score(policy, batch)
+        per_token, metrics = self.surrogate_terms(
+            scores, batch,
+            clip_low=o.clip_eps,
+            clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
+            kl_coef=o.beta, kl_estimator=o.kl_estimator,
+        )
+        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+
+
+class DrGRPO(GRPO):
+    """GRPO without the length and difficulty biases: no std scaling, token sums over a constant length."""
+
+    name = "dr_grpo"
+    Options = DrGRPOOptions
+
+
+@hookimpl
+def register_optimizers(register: Any) -> None:
+    register("grpo", GRPO, options=GRPOOptions, description="GRPO: group-relative advantages, clipped surrogate, optional KL (k3)")
+    register("dr_grpo", DrGRPO, options=DrGRPOOptions, description="Dr.GRPO: GRPO without std scaling, token sums over a constant length")

@@ -1,0 +1,200 @@
+"""palestra.sampling and the ``kv_cache`` generator, driving the real ``tiny`` policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from palestra.plugins.generators.kv_cache import KVCacheGenerator
+from palestra.plugins.policies.tiny import TinyTransformerPolicy
+from palestra.sampling import generate, pick_tokens, sample
+from palestra.types import Generation, Observation, SamplingParams
+
+PROMPTS = ["1 + 2 = ?", "34 * 5 =", "7", "12 - 9 + 40 = ?", "?", "0 0 0"]
+
+
+@pytest.fixture(scope="module")
+def policy() -> TinyTransformerPolicy:
+    # init_std 0.3 (not the default 0.02): the policy is far from uniform, so greedy ties do not happen and
+    # sampled and greedy completions differ visibly.
+    return TinyTransformerPolicy(d_model=32, n_layers=2, n_heads=4, d_ff=64, seed=0, init_std=0.3)
+
+
+def observations(prompts=PROMPTS, stop=None) -> list[Observation]:
+    return [Observation(prompt=p, stop=stop) for p in prompts]
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def check_conventions(gen: Generation, policy: TinyTransformerPolicy, params: SamplingParams, stops=None) -> list[str]:
+    """Every completion convention of GYM.md, row by row; returns how each row ended."""
+    tok = policy.tokenizer
+    b, t = gen.completion_ids.shape
+    assert gen.completion_mask.shape == gen.logprobs.shape == (b, t) and len(gen.texts) == b
+    assert gen.completion_ids.dtype == torch.int64 and gen.completion_mask.dtype == torch.bool
+    assert gen.logprobs.dtype == torch.float32
+    assert t <= params.max_new_tokens
+    lengths = gen.completion_mask.sum(-1)
+    assert t == 0 or int(lengths.max()) == t  # T is the longest completion
+    end_ids = {tok.eos_token_id, *params.stop_token_ids}
+    endings = []
+    for i in range(b):
+        n = int(lengths[i])
+        assert gen.completion_mask[i, :n].all() and not gen.completion_mask[i, n:].any()  # right-padded
+        assert (gen.completion_ids[i, n:] == tok.pad_token_id).all()
+        assert (gen.logprobs[i, n:] == 0).all() and (gen.logprobs[i, :n] <= 0).all()
+        ids = gen.completion_ids[i, :n].tolist()
+        assert not end_ids & set(ids[:-1])  # an end token ends the row at once
+        row_stops = list(params.stop) + list((stops or {}).get(i, []))
+        for k in range(1, n):
+            assert not any(s in tok.decode(ids[:k]) for s in row_stops), "generation ran past a stop string"
+        if ids and ids[-1] in end_ids:
+            assert gen.texts[i] == tok.decode(ids[:-1])  # the EOS / stop token is not text
+            endings.append("eos")
+        else:
+            assert gen.texts[i] == tok.decode(ids)
+            if any(s in gen.texts[i] for s in row_stops):
+                endings.append("stop")  # the stop string is in the text
+            else:
+                assert n == params.max_new_tokens
+                endings.append("length")
+    return endings
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_behaviour_logprobs_equal_policy_scores(policy, temperature, top_p):
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p)
+    gen = generate(policy, observations(), params, generator=seeded(1))
+    check_conventions(gen, policy, params)
+    scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=temperature)
+    torch.testing.assert_close(gen.logprobs, scores.logprobs.detach(), rtol=0, atol=1e-5)
+
+
+def test_greedy_is_deterministic_scores_at_temperature_one_and_ignores_padding(policy):
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    a = generate(policy, observations(), params, generator=seeded(1))
+    b = generate(policy, observations(), params, generator=seeded(2))
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.texts == b.texts
+    scores = policy.score(a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask, temperature=1.0)
+    torch.testing.assert_close(a.logprobs, scores.logprobs.detach(), rtol=0, atol=1e-5)
+    # Each row alone (no left padding, no other rows finishing early) decodes the same tokens.
+    for i, prompt in enumerate(PROMPTS):
+        alone = generate(policy, observations([prompt]), params)
+        n = int(a.completion_mask[i].sum())
+        assert alone.texts == [a.texts[i]]
+        assert alone.completion_ids[0, :n].tolist() == a.completion_ids[i, :n].tolist()
+        torch.testing.assert_close(alone.logprobs[0, :n], a.logprobs[i, :n], rtol=0, atol=1e-5)
+    # A nucleus too small for a second token is greedy.
+    nucleus = generate(policy, observations(), SamplingParams(max_new_tokens=8, top_p=1e-6), generator=seeded(3))
+    assert torch.equal(nucleus.completion_ids, a.completion_ids)
+
+
+def test_same_seed_same_samples_and_different_seeds_differ(policy):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    a = generate(policy, observations() * 4, params, generator=seeded(7))
+    b = generate(policy, observations() * 4, params, generator=seeded(7))
+    c = generate(policy, observations() * 4, params, generator=seeded(8))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert a.texts != c.texts
+    torch.manual_seed(3)
+    d = generate(policy, observations() * 4, params)  # no generator: torch's global RNG
+    torch.manual_seed(3)
+    assert generate(policy, observations() * 4, params).texts == d.texts
+
+
+def test_eos_stop_tokens_and_length_end_rows_per_the_conventions(policy):
+    tok = policy.tokenizer
+    params = SamplingParams(max_new_tokens=12, temperature=1.5)
+    gen = generate(policy, observations() * 8, params, generator=seeded(4))
+    endings = check_conventions(gen, policy, params)
+    assert "eos" in endings and "length" in endings  # both kinds happen with this seed
+    # An extra stop token id ends rows like EOS: kept in the ids and mask, not in the text.
+    digit = tok.token_to_id("1")
+    params = SamplingParams(max_new_tokens=12, temperature=1.5, stop_token_ids=[digit])
+    gen = generate(policy, observations() * 8, params, generator=seeded(4))
+    endings = check_conventions(gen, policy, params)
+    lengths = gen.completion_mask.sum(-1)
+    ended_by_digit = [i for i in range(len(endings)) if gen.completion_ids[i, int(lengths[i]) - 1] == digit]
+    assert ended_by_digit and all(endings[i] == "eos" and "1" not in gen.texts[i] for i in ended_by_digit)
+
+
+def test_stop_strings_from_params_and_observations(policy):
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    free = generate(policy, observations(), greedy)
+    # Pick, per row, a two-character piece of its own greedy text, and stop on it through the observation.
+    tok = policy.tokenizer
+    stops, expected_length = {}, {}
+    for i, text in enumerate(free.texts):
+        if len(text) >= 4:
+            stops[i] = [text[2:4]]
+            ids = free.completion_ids[i].tolist()
+            # Greedy decoding is deterministic: the row must end at the first token whose text completes the stop.
+            expected_length[i] = next(k for k in range(1, len(ids) + 1) if text[2:4] in tok.decode(ids[:k]))
+    assert len(stops) >= 3, free.texts
+    obs = [Observation(prompt=p, stop=stops.get(i)) for i, p in enumerate(PROMPTS)]
+    gen = generate(policy, obs, greedy)
+    endings = check_conventions(gen, policy, greedy, stops)
+    for i in range(len(PROMPTS)):
+        n = int(gen.completion_mask[i].sum())
+        assert gen.completion_ids[i, :n].tolist() == free.completion_ids[i, :n].tolist()
+        if i in stops:
+            assert endings[i] == "stop" and n == expected_length[i] and stops[i][0] in gen.texts[i]
+        else:
+            assert gen.texts[i] == free.texts[i]
+    # Stop strings for every row go in the sampling parameters; sample() takes token ids directly.
+    first = free.texts[0][:2]
+    ids, mask = policy.encode_observations(observations())
+    by_params = sample(policy, ids, mask, SamplingParams(max_new_tokens=12, temperature=0.0, stop=[first]))
+    ids0 = free.completion_ids[0].tolist()
+    n0 = next(k for k in range(1, len(ids0) + 1) if first in tok.decode(ids0[:k]))
+    assert by_params.completion_ids[0].tolist()[:n0] == ids0[:n0] and int(by_params.completion_mask[0].sum()) == n0
+    assert by_params.texts[0] == tok.decode(ids0[:n0]) and by_params.texts[0].startswith(first)
+    check_conventions(by_params, policy, SamplingParams(max_new_tokens=12, stop=[first]))
+
+
+def test_max_new_tokens_bounds_the_completion(policy):
+    one = generate(policy, observations(), SamplingParams(max_new_tokens=1), generator=seeded(0))
+    assert one.completion_ids.shape == (len(PROMPTS), 1) and one.completion_mask.all()
+    none = generate(policy, observations(), SamplingParams(max_new_tokens=0))
+    assert none.completion_ids.shape == (len(PROMPTS), 0) and none.texts == [""] * len(PROMPTS)
+
+
+def test_pick_tokens_never_draws_outside_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]] * 4000))
+    token, logp = pick_tokens(logits, 1.0, 0.8, seeded(0))
+    counts = torch.bincount(token, minlength=5)
+    assert counts[2:].sum() == 0 and counts[0] > counts[1] > 0  # {0, 1} reach 0.8; token 4 has probability 0
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
+    token, _ = pick_tokens(logits, 1.0, 1.0, seeded(0))
+    counts = torch.bincount(token, minlength=5).double() / 4000
+    assert counts[4] == 0 and (counts[:4] - torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.double)).abs().max() < 0.04
+
+
+def test_bad_inputs_are_one_line_errors_naming_the_culprit(policy):
+    obs = observations()
+    for params, culprit in [
+        (SamplingParams(top_p=0.0), "SamplingParams.top_p"),
+        (SamplingParams(temperature=-1.0), "SamplingParams.temperature"),
+        (SamplingParams(max_new_tokens=-2), "SamplingParams.max_new_tokens"),
+        (SamplingParams(stop=[""]), r"SamplingParams.stop\[0\]"),
+        (SamplingParams(max_new_tokens=300), r"policy.options.max_len: a prompt of \d+ tokens \+ max_new_tokens=300"),
+    ]:
+        with pytest.raises(ValueError, match=culprit) as info:
+            generate(policy, obs, params)
+        assert "\n" not in str(info.value)
+    ids, mask = policy.encode_observations(obs)
+    with pytest.raises(ValueError, match="prompt_mask"):
+        sample(policy, ids, mask.long(), SamplingParams())
+    with pytest.raises(ValueError, match="stops: expected one list per row"):
+        sample(policy, ids, mask, SamplingParams(), stops=[["x"]])
+    with pytest.raises(ValueError, match="observations is empty"):
+        generate(policy, [], SamplingParams())
+
+
+def test_kv_cache_generator_plugin_samples_like_generate(policy):
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, stop=["</answer>"])
+    a = KVCacheGenerator().generate(policy, observations(), params, generator=seeded(5))
+    b = generate(policy, observations(), params, generator=seeded(5))
+    assert a.texts == b.texts and torch.equal(a.completion_ids, b.completion_ids)
