@@ -209,8 +209,21 @@ def _default_reward() -> RewardSpec:
     # The built-in curriculum: reward the answer format first; correctness joins once the format is learnt.
     return RewardSpec(
         "layered",
-        {"layers": [{"name": "format"}, {"name": "correctness", "unlock_at": 0.8}]},
+        {
+            "layers": [
+                # format: exactly one <answer> tag holding a number (a tag around anything else earns nothing)
+                {"name": "format", "options": {"pattern": "<answer>-?[0-9]+</answer>"}},
+                {"name": "correctness", "unlock_at": 0.5},
+            ]
+        },
     )
+
+
+def _default_train() -> TrainConfig:
+    # Sized for the built-in task and policy (a ~130k-parameter model from random weights, answers of a few
+    # tokens): a learning rate far above what a pretrained LLM wants. A config file's own `train` section
+    # starts from the TrainConfig defaults instead.
+    return TrainConfig(steps=500, batch_size=16, group_size=8, lr=1e-3, max_new_tokens=6)
 
 
 @dataclass
@@ -221,11 +234,11 @@ class Config:
     environment: EnvironmentSpec = field(default_factory=_default_environment)
     reward: RewardSpec = field(default_factory=_default_reward)
     policy: PolicySpec = field(default_factory=lambda: PolicySpec("tiny"))
-    optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("grpo"))
+    optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("grpo", {"entropy_coef": 0.01}))
     generator: GeneratorSpec = field(default_factory=lambda: GeneratorSpec("kv_cache"))
     loggers: list[LoggerSpec] = field(default_factory=lambda: [LoggerSpec("console"), LoggerSpec("jsonl")])
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=_default_train)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (dicts, lists, scalars) with every default filled in; what ``palestra config show`` prints."""

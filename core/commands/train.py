@@ -40,11 +40,11 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
     config = load_config(args.config, args.overrides)
-    for line in summary(config):
-        print(line, file=sys.stderr)
     from ..trainer import Trainer, format_before_after  # torch is only imported once the config is valid
 
-    trainer = Trainer(config)
+    trainer = Trainer(config)  # builds and checks every component: a bad one stops here, with one line
+    for line in summary(config):
+        print(line)
     result = trainer.train()
     print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
     for line in format_before_after(result.before, result.after):

@@ -25,6 +25,7 @@ Operation = Literal["+", "-", "*"]
 class ArithmeticOptions:
     difficulty: int = option(1, ge=1, le=6)  # digits per operand
     terms: int = option(2, ge=2, le=6)  # operands per question
+    max_operand: int | None = option(None, ge=1)  # cap each operand (for a smaller task than all `difficulty`-digit numbers)
     operations: list[Operation] = field(default_factory=lambda: ["+"])  # drawn uniformly between terms
     answer_tag: str = "answer"
     prompt: str = "What is {question}? Put the final answer in <{tag}></{tag}>."
@@ -39,6 +40,9 @@ class ArithmeticOptions:
             raise OptionError("prompt", f"may only use the fields {{question}} and {{tag}}: {type(e).__name__}: {e}") from None
         if "{question}" not in self.prompt:
             raise OptionError("prompt", "must contain {question}")
+        low = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
+        if self.max_operand is not None and self.max_operand < low:
+            raise OptionError("max_operand", f"must be >= {low}, the smallest {self.difficulty}-digit operand, got {self.max_operand}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class ArithmeticEnv:
     def make_task(self, rng: random.Random) -> ArithmeticTask:
         o = self.options
         low = 0 if o.difficulty == 1 else 10 ** (o.difficulty - 1)
-        high = 10**o.difficulty - 1
+        high = 10**o.difficulty - 1 if o.max_operand is None else min(10**o.difficulty - 1, o.max_operand)
         numbers = [rng.randint(low, high) for _ in range(o.terms)]
         ops = [rng.choice(o.operations) for _ in range(o.terms - 1)]
         question = str(numbers[0]) + "".join(f" {op} {n}" for op, n in zip(ops, numbers[1:]))

@@ -105,10 +105,12 @@ def test_default_config_is_the_builtin_task() -> None:
     layers = cfg.reward.options.layers
     assert [type(layer) for layer in layers] == [Layer, Layer]
     assert [layer.name for layer in layers] == ["format", "correctness"]
-    assert layers[1].unlock_at == 0.8
+    assert layers[1].unlock_at == 0.5 and layers[0].options.pattern == "<answer>-?[0-9]+</answer>"
     assert layers[1].path == "reward.options.layers[1]"
     assert layers[1].options.tolerance == 0.0  # the component's own default, filled in
-    assert cfg.train.lr == 1e-5 and cfg.kernels.backend == "auto"
+    assert cfg.train.lr == 1e-3 and cfg.kernels.backend == "auto"  # the built-in task's own train section
+    assert (cfg.policy.name, cfg.optimizer.name, cfg.generator.name) == ("tiny", "grpo", "kv_cache")
+    assert [logger.name for logger in cfg.loggers] == ["console", "jsonl"]
     # The plain form validates back to the same tree.
     assert validate_config(cfg.to_dict()).to_dict() == cfg.to_dict()
 
@@ -187,7 +189,7 @@ def test_parse_override_splits_keys_and_indices() -> None:
         ("train..lr=3", "is not a dotted key"),
         ("train.lr=[1, 2", "override 'train.lr=[1, 2': cannot parse the value"),
         ("reward.options.layers[5].weight=1", "reward.options.layers[5]: index out of range (the list has 2 items)"),
-        ("train.lr.x=1", "train.lr.x: train.lr is 1e-05, not a mapping"),
+        ("train.lr.x=1", "train.lr.x: train.lr is 0.001, not a mapping"),
         ("train[0]=1", "train[0]: train is a mapping, not a list"),
     ],
 )
@@ -229,7 +231,7 @@ def test_unknown_component_name_suggests_the_closest() -> None:
         ("train.steps=0", "train.steps: must be >= 1, got 0"),
         ("train.top_p=1.5", "train.top_p: must be <= 1, got 1.5"),
         ("train.lr=-1", "train.lr: must be > 0"),
-        ("train.grad_accum=3", "train.grad_accum: must divide batch_size * group_size = 32"),
+        ("train.grad_accum=3", "train.grad_accum: must divide batch_size * group_size = 128"),
         ("train.dtype=fp8", "train.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'"),
         ("kernels.backend=cdua", "kernels.backend: expected one of 'auto', 'torch', 'cpp', 'cuda', 'triton', got 'cdua'; did you mean 'cuda'?"),
         ("run.seed=[1]", "run.seed: expected an integer, got [1]"),

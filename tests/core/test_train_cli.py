@@ -1,0 +1,202 @@
+"""``palestra train`` from the command line: the report it ends with, its errors, and the example configs.
+
+Errors must come up front: one line (``palestra train: error: ...``) on stderr, exit status 2, before any
+training starts. The summary of what would be built (printed on stderr before the components are built) is
+the only other output allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import plugin_installs
+from palestra import cli
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp"]
+FIXTURES = REPO / "tests" / "fixtures"
+ERROR = "palestra train: error: "
+# The lines `palestra train` prints on stderr before it builds anything (see palestra.commands.train.summary).
+SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Two threads on a busy two-core machine are far slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(args: list[str], cwd: Path, sites: list[Path] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -m palestra train ARGS`` in a fresh interpreter, only ``sites`` added to the path, one thread."""
+    return plugin_installs.run_palestra(["train", *args], list(sites), cwd, OMP_NUM_THREADS="1")
+
+
+# ---- a successful run ---------------------------------------------------------------------------------------
+def test_train_prints_the_before_after_table_and_the_plot(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    result = train(["train.steps=3", "train.eval_size=4", f"run.output_dir={out}"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("trained 3 steps in ")
+    assert "held-out reward on 4 tasks, greedy" in result.stdout
+    header = next(i for i, line in enumerate(lines) if line.startswith("held-out reward"))
+    assert lines[header + 1].split() == ["before", "after"]
+    assert lines[header + 2].split()[:2] == ["reward", "(total)"]
+    for row in lines[header + 2 :]:
+        if row.startswith("  "):
+            before, after = (float(x) for x in row.split()[-2:])
+            assert 0.0 <= before and 0.0 <= after
+    plots = [line for line in lines if line.startswith("plot: ")]
+    assert len(plots) == 1 and plots[0].endswith(".png")
+    png = Path(plots[0].removeprefix("plot: "))
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run_dir = png.parent
+    assert run_dir.parent == out
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2, 3]
+    assert (run_dir / "checkpoint.pt").is_file()
+    assert "Traceback" not in result.stderr
+
+
+# ---- errors come first, one line each, exit 2 -------------------------------------------------------------
+def check_up_front_error(result, tmp_path: Path, starts: str, *, allowed_warnings: int = 0) -> str:
+    """Exit 2, nothing on stdout, one error line (the last line of stderr) and no run directory."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith(ERROR)]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    warnings = [line for line in lines if line.startswith("palestra: warning: ")]
+    assert len(warnings) == allowed_warnings, result.stderr
+    others = [line for line in lines if line not in errors and line not in warnings]
+    assert all(line.startswith(SUMMARY_PREFIXES) for line in others), result.stderr  # no traceback, no training
+    assert not (tmp_path / "runs").exists()  # nothing trained, nothing written
+    message = errors[0].removeprefix(ERROR)
+    assert message.startswith(starts), message
+    return message
+
+
+def test_a_bad_config_value_is_one_line(tmp_path: Path) -> None:
+    result = train(["train.lr=fast", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
+    assert check_up_front_error(result, tmp_path, "train.lr: ") == "train.lr: expected a float, got 'fast'"
+    assert result.stderr.count("\n") == 1  # the config is checked before the summary is printed
+
+
+def test_a_misspelt_reward_name_is_one_line(tmp_path: Path) -> None:
+    result = train(["reward.name=formatt", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
+    message = check_up_front_error(result, tmp_path, "reward.name: no reward named 'formatt'")
+    assert "did you mean 'format'?" in message
+    assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.pip_install
+@pytest.mark.parametrize(("plugin", "reward", "distribution"), [
+    ("raising", "raising_reward", "palestra-raising-plugin"),  # its register_rewards raises
+    ("broken", "broken_reward", "palestra-broken-plugin"),  # it fails to import
+])  # fmt: skip
+def test_a_reward_from_a_failing_plugin_is_one_line_naming_the_distribution(
+    sites, tmp_path: Path, plugin: str, reward: str, distribution: str
+) -> None:
+    result = train([f"reward.name={reward}", f"run.output_dir={tmp_path / 'runs'}"], tmp_path, [sites[plugin]])
+    message = check_up_front_error(result, tmp_path, f"reward.name: no reward named '{reward}'", allowed_warnings=1)
+    assert f"'{distribution}'" in message
+    assert f"'{distribution}'" in result.stderr.splitlines()[0]  # the one warning about the plugin names it too
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import tiny_hf
+    finally:
+        sys.path.remove(str(FIXTURES))
+    return tiny_hf
+
+
+def test_a_missing_model_folder_is_one_line(tmp_path: Path) -> None:
+    result = train(["policy.name=hf", "policy.options.path=/nonexistent", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
+    message = check_up_front_error(result, tmp_path, "policy.options.path: '/nonexistent' does not exist")
+    assert "nothing is downloaded" in message
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: Path) -> None:
+    model_dir, tokenizer_dir = tiny_hf.build_mismatched(tmp_path / "mismatched")
+    result = train(
+        ["policy.name=hf", f"policy.options.path={model_dir}", f"policy.options.tokenizer_path={tokenizer_dir}",
+         f"run.output_dir={tmp_path / 'runs'}"], tmp_path,
+    )  # fmt: skip
+    message = check_up_front_error(result, tmp_path, "policy.options.tokenizer_path: ")
+    assert "embedding rows" in message
+
+
+# ---- the example configs --------------------------------------------------------------------------------------
+def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
+    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, "hf_local"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) -> None:
+    result = plugin_installs.run_palestra(["config", "show", str(path)], [], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    shown = yaml.safe_load(result.stdout)
+    written = yaml.safe_load(path.read_text())
+    assert shown["optimizer"]["name"] == written["optimizer"]["name"]
+    assert shown["run"]["name"] == path.stem
+    for key, value in written["train"].items():  # what the file says is what the run gets
+        assert shown["train"][key] == value, key
+    for key, value in written["optimizer"]["options"].items():
+        assert shown["optimizer"]["options"][key] == value, key
+    if path.stem in ALGORITHM_EXAMPLES:
+        assert shown["optimizer"]["name"] == path.stem
+        assert shown["environment"]["name"] == "arithmetic" and shown["policy"]["name"] == "tiny"
+        assert [layer["name"] for layer in shown["reward"]["options"]["layers"]] == ["format", "correctness"]
+    else:
+        assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "./path/to/local/model"
+        assert shown["policy"]["options"]["chat_template"] in ("auto", "on")
+
+
+def run_example(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> Path:
+    """``palestra train --config examples/NAME.yaml`` for 2 steps, through the real command, in this process."""
+    out = tmp_path / "runs"
+    code = cli.main(["train", "--config", str(REPO / "examples" / f"{name}.yaml"),
+                     "train.steps=2", "train.eval_size=4", f"run.output_dir={out}", *overrides])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.startswith("trained 2 steps in ") and "held-out reward on 4 tasks" in captured.out
+    run_dir = out / name
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(isinstance(m["loss"], float) for m in steps)
+    assert (run_dir / "checkpoint.pt").is_file()
+    return run_dir
+
+
+@pytest.mark.parametrize("name", ALGORITHM_EXAMPLES)
+def test_each_algorithm_example_trains(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A smaller batch keeps this a smoke test; the algorithm and its options are the file's.
+    run_example(name, tmp_path, capsys, "train.batch_size=4", "train.group_size=4")
+
+
+def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tiny_hf.build_qwen2(tmp_path / "qwen2")  # has a chat template, as instruction-tuned models do
+    run_dir = run_example(
+        "hf_local", tmp_path, capsys, f"policy.options.path={model_dir}",
+        "train.batch_size=2", "train.group_size=2", "train.grad_accum=1", "train.max_new_tokens=4", "train.warmup_steps=0",
+    )  # fmt: skip
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert state["config"]["policy"]["options"]["path"] == str(model_dir)
