@@ -429,6 +429,19 @@ class Algorithm:
         per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics, kl_coef=kl_coef, kl_estimator=kl_estimator)
         return per_token, metrics
 
+    def clipped_loss(self, policy: Any, batch: Experience, *, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+        """The aggregated clipped surrogate on ``batch``, clipping at the options' ``clip_eps`` / ``clip_eps_high``
+        (None: symmetric) and adding ``kl_coef`` * KL (``kl_estimator``) when > 0."""
+        o = self.options
+        scores = self.score(policy, batch)
+        per_token, metrics = self.surrogate_terms(
+            scores, batch,
+            clip_low=o.clip_eps,
+            clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
+            kl_coef=kl_coef, kl_estimator=o.kl_estimator,
+        )
+        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+
     def add_entropy_and_kl(
         self,
         per_token: torch.Tensor,

@@ -349,20 +349,11 @@ class Layered:
     ) -> RewardOutput:
         components: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
-        scores: dict[int, torch.Tensor] = {}
-        total: torch.Tensor | None = None
-        for k, (layer, reward) in enumerate(zip(self.options.layers, self.rewards)):
-            if not self.unlocked[k]:
-                continue
-            out = reward(prompts, completions, metadata)
-            scores[k] = out.scores
-            _scores_of(out, self.labels[k], components, metrics)
-            counted = out.scores
-            if k > 0 and self.options.gate_rows:
-                assert layer.unlock_at is not None
-                counted = counted * (scores[self.watched(k)] >= layer.unlock_at).to(counted.dtype)
-            total = layer.weight * counted if total is None else total + layer.weight * counted
-        assert total is not None
+        outputs = {
+            k: reward(prompts, completions, metadata) for k, reward in enumerate(self.rewards) if self.unlocked[k]
+        }
+        total = self._weighted(outputs, components, metrics)
+        scores = {k: out.scores for k, out in outputs.items()}
         self._update(scores)
         for k, label in enumerate(self.labels):
             metrics[f"{label}/active"] = float(self.unlocked[k])
@@ -395,19 +386,24 @@ class Layered:
     ) -> RewardOutput:
         """Every layer counts, locked or not (the curriculum's goal), and nothing is updated."""
         components: dict[str, torch.Tensor] = {}
-        scores: dict[int, torch.Tensor] = {}
+        outputs = {k: _evaluate(reward, prompts, completions, metadata) for k, reward in enumerate(self.rewards)}
+        return RewardOutput(self._weighted(outputs, components, {}), components)
+
+    def _weighted(
+        self, outputs: Mapping[int, RewardOutput], components: dict[str, torch.Tensor], metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """``sum_k weight_k * score_k`` over the scored layers (gated by row when ``gate_rows``); records components."""
         total: torch.Tensor | None = None
-        for k, (layer, reward) in enumerate(zip(self.options.layers, self.rewards)):
-            out = _evaluate(reward, prompts, completions, metadata)
-            scores[k] = out.scores
-            _scores_of(out, self.labels[k], components, {})
+        for k, out in outputs.items():
+            layer = self.options.layers[k]
+            _scores_of(out, self.labels[k], components, metrics)
             counted = out.scores
             if k > 0 and self.options.gate_rows:
                 assert layer.unlock_at is not None
-                counted = counted * (scores[self.watched(k)] >= layer.unlock_at).to(counted.dtype)
+                counted = counted * (outputs[self.watched(k)].scores >= layer.unlock_at).to(counted.dtype)
             total = layer.weight * counted if total is None else total + layer.weight * counted
         assert total is not None
-        return RewardOutput(total, components)
+        return total
 
     @property
     def max_score(self) -> float | None:

@@ -48,13 +48,7 @@ class ReinforcePP(Algorithm):
         return batch
 
     def loss(self, policy: Any, batch: Experience):
-        o = self.options
-        scores = self.score(policy, batch)
-        per_token, metrics = self.surrogate_terms(
-            scores, batch, clip_low=o.clip_eps, clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
-            kl_estimator=o.kl_estimator,
-        )
-        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+        return self.clipped_loss(policy, batch)
 
 
 @hookimpl

@@ -82,6 +82,17 @@ def test_arithmetic_precedence_and_options() -> None:
         ArithmeticEnv(operations=[])
 
 
+def test_arithmetic_max_operand_caps_operands_and_the_prompt_stops_at_the_closing_tag() -> None:
+    seen = set()
+    for o in ArithmeticEnv(difficulty=1, max_operand=2).reset(50, seed=3):
+        seen.update(int(t) for t in o.metadata["question"].split()[::2])
+        assert o.stop == ["</answer>"]
+    assert seen == {0, 1, 2}
+    assert {int(t) for o in ArithmeticEnv(difficulty=2, max_operand=12).reset(30, seed=0) for t in o.metadata["question"].split()[::2]} <= {10, 11, 12}
+    with pytest.raises(ConfigError, match=r"^arithmetic.max_operand: must be >= 10, the smallest 2-digit operand, got 5$"):
+        ArithmeticEnv(difficulty=2, max_operand=5)
+
+
 def test_arithmetic_answered_by_run_episodes_and_scored() -> None:
     e = env("arithmetic")
     episodes = run_episodes(e, lambda obs: [f"<answer>{o.metadata['answer']}</answer>" for o in obs], 4, seed=3)

@@ -49,7 +49,8 @@ def test_train_prints_the_before_after_table_and_the_plot(tmp_path: Path) -> Non
     result = train(["train.steps=3", "train.eval_size=4", f"run.output_dir={out}"], tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("trained 3 steps in ")
+    assert lines[0].startswith("run: arithmetic (seed 0") and "policy: tiny" in result.stdout  # what was built
+    assert any(line.startswith("trained 3 steps in ") for line in lines)
     assert "held-out reward on 4 tasks, greedy" in result.stdout
     header = next(i for i, line in enumerate(lines) if line.startswith("held-out reward"))
     assert lines[header + 1].split() == ["before", "after"]
@@ -176,7 +177,7 @@ def run_example(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *
                      "train.steps=2", "train.eval_size=4", f"run.output_dir={out}", *overrides])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out.startswith("trained 2 steps in ") and "held-out reward on 4 tasks" in captured.out
+    assert "\ntrained 2 steps in " in captured.out and "held-out reward on 4 tasks" in captured.out
     run_dir = out / name
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/mean" in m]

@@ -436,7 +436,7 @@ def test_a_reward_from_the_example_plugin_drives_a_training_run(sites, tmp_path:
     ]  # fmt: skip
     result = plugin_installs.run_palestra(args, [sites["example"]], tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr
-    assert "reward: keyword_coverage" in result.stderr and "environment: word_usage" in result.stderr
+    assert "reward: keyword_coverage" in result.stdout and "environment: word_usage" in result.stdout
     assert "trained 3 steps" in result.stdout
     lines = [json.loads(line) for line in (tmp_path / "runs" / "keywords" / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "reward/mean" in line]
