@@ -105,7 +105,7 @@ def test_default_config_is_the_builtin_task() -> None:
     layers = cfg.reward.options.layers
     assert [type(layer) for layer in layers] == [Layer, Layer]
     assert [layer.name for layer in layers] == ["format", "correctness"]
-    assert layers[1].unlock_at == 0.5 and layers[0].options.pattern == "<answer>-?[0-9]+</answer>"
+    assert layers[1].unlock_at == 0.5 and layers[0].options.pattern == "^<answer>-?[0-9]+</answer>$"
     assert layers[1].path == "reward.options.layers[1]"
     assert layers[1].options.tolerance == 0.0  # the component's own default, filled in
     assert cfg.train.lr == 1e-3 and cfg.kernels.backend == "auto"  # the built-in task's own train section
