@@ -40,10 +40,10 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that loading the opt
     import torch
 
 __all__ = [
-    "Algorithm",
-    "AlgorithmOptions",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "Algorithm",
+    "AlgorithmOptions",
     "group_size_of",
     "kl_divergence",
     "kl_shaped_rewards",
@@ -273,6 +273,7 @@ class Algorithm:
     def score_in_chunks(self, model: Any, batch: Experience, *, values: bool = False) -> Any:
         """``model.score`` over ``batch`` in the update's micro-batch size (memory like a training step)."""
         import torch
+
         from .policy import TokenScores
 
         n = batch.batch_size

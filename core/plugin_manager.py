@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.metadata as metadata
 import os
 import re
 import sys
@@ -35,6 +34,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import pluggy

@@ -144,7 +144,9 @@ class CausalLMPolicy(torch.nn.Module):
         Differentiable with respect to the parameters. ``values`` needs :meth:`enable_value_head` first; the
         value at token ``t`` is the head applied to the state that predicts token ``t``.
         """
-        from palestra.kernels import logprob_entropy  # imported here so that listing plugins stays light
+        from palestra.kernels import (
+            logprob_entropy,  # imported here so that listing plugins stays light
+        )
 
         p = prompt_ids.shape[1]
         t = completion_ids.shape[1]

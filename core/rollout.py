@@ -10,7 +10,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .types import AgentId, Environment, Episode, Experience, Generation, Generator, Observation, Policy, SamplingParams, Turn
+from .types import (
+    AgentId,
+    Environment,
+    Episode,
+    Experience,
+    Generation,
+    Generator,
+    Observation,
+    Policy,
+    SamplingParams,
+    Turn,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,7 @@ from .plugin_manager import get_plugin_manager
 from .rollout import Rollout, collect
 from .types import Experience, SamplingParams
 
-__all__ = ["EvalResult", "Trainer", "TrainResult", "derive_seed", "format_before_after"]
+__all__ = ["EvalResult", "TrainResult", "Trainer", "derive_seed", "format_before_after"]
 
 
 def derive_seed(seed: int, stream: str, index: int = 0) -> int:

@@ -457,8 +457,8 @@ class Logger(Protocol):
 
 
 __all__ = [
-    "AgentId",
     "DEFAULT_AGENT",
+    "AgentId",
     "Environment",
     "Episode",
     "Experience",

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 import yaml
 
-from ..config import ComponentSpec, Config, ConfigError, build_component, load_config, to_plain
+from ..config import (
+    ComponentSpec,
+    Config,
+    ConfigError,
+    load_config,
+    to_plain,
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
@@ -40,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
     config = load_config(args.config, args.overrides)
-    from ..trainer import Trainer, format_before_after  # torch is only imported once the config is valid
+    from ..trainer import (  # torch is only imported once the config is valid
+        Trainer,
+        format_before_after,
+    )
 
     trainer = Trainer(config)  # builds and checks every component: a bad one stops here, with one line
     for line in summary(config):

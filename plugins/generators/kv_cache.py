@@ -14,7 +14,6 @@ from palestra import hookimpl
 
 if TYPE_CHECKING:
     import torch
-
     from palestra.types import Generation, Observation, Policy, SamplingParams
 
 
@@ -29,7 +28,9 @@ class KVCacheGenerator:
         *,
         generator: torch.Generator | None = None,
     ) -> Generation:
-        from palestra.sampling import generate  # imported on first use, so loading this plugin does not import torch
+        from palestra.sampling import (
+            generate,  # imported on first use, so loading this plugin does not import torch
+        )
 
         return generate(policy, observations, params, generator=generator)
 

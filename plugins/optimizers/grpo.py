@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from palestra import hookimpl
-from palestra.algorithm import Algorithm, AlgorithmOptions, KLEstimator, LossAgg, group_size_of
+from palestra.algorithm import (
+    Algorithm,
+    AlgorithmOptions,
+    KLEstimator,
+    LossAgg,
+    group_size_of,
+)
 from palestra.config import option
 from palestra.types import Experience
 

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from palestra import hookimpl
-from palestra.algorithm import Algorithm, AlgorithmOptions, KLEstimator, kl_shaped_rewards
+from palestra.algorithm import (
+    Algorithm,
+    AlgorithmOptions,
+    KLEstimator,
+    kl_shaped_rewards,
+)
 from palestra.config import option
 from palestra.types import Experience
 

@@ -33,7 +33,6 @@ from palestra.types import Experience
 
 if TYPE_CHECKING:
     import torch
-
     from palestra.kernels import RunningMoments
 
 
@@ -82,7 +81,6 @@ class Reinforce(Algorithm):
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
         """Each row's agent segment; a new agent gets a fresh segment (the statistics grow by one)."""
         import torch
-
         from palestra.kernels import RunningMoments
 
         for a in agent_ids:

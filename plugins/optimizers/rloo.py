@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from palestra import hookimpl
-from palestra.algorithm import Algorithm, AlgorithmOptions, KLEstimator, group_size_of, kl_divergence
+from palestra.algorithm import (
+    Algorithm,
+    AlgorithmOptions,
+    KLEstimator,
+    group_size_of,
+    kl_divergence,
+)
 from palestra.config import option
 from palestra.types import Experience
 

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from palestra.config import check_options
 from palestra.policy import CausalLMPolicy
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .char_tokenizer import CharTokenizer
 from .tiny import TinyOptions

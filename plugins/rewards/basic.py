@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 
+
 def scores(values: list[float]) -> torch.Tensor:
     """A float32 tensor ``[B]``. torch is imported on first use, so loading this plugin does not pay for it."""
     import torch

@@ -56,9 +56,11 @@ def install_all(base: Path) -> dict[str, Path]:
     return _sites
 
 
-def run_palestra(args: list[str], sites: list[Path], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+def run_palestra(
+    args: list[str], sites: list[Path], cwd: Path, *, timeout: float = 300, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
     """``python -m palestra ARGS`` with only ``sites`` added to the path and the plugin variables unset unless given."""
-    return run_python(["-m", "palestra", *args], sites, cwd, **env_vars)
+    return run_python(["-m", "palestra", *args], sites, cwd, timeout=timeout, **env_vars)
 
 
 _all_json: subprocess.CompletedProcess[str] | None = None
@@ -72,12 +74,14 @@ def plugins_all_json(sites: dict[str, Path], cwd: Path) -> subprocess.CompletedP
     return _all_json
 
 
-def run_python(args: list[str], sites: list[Path], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+def run_python(
+    args: list[str], sites: list[Path], cwd: Path, *, timeout: float = 300, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in (*ENV_VARS, "PYTHONPATH", "PYTHONWARNINGS")}
     env["PYTHONPATH"] = os.pathsep.join(str(s) for s in sites)
     env.update(env_vars)
     # cwd is a scratch folder: `python -m` puts the cwd on sys.path, and the repo root holds a palestra.egg-info.
-    return subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 class InProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from palestra.config import ConfigError, build_component
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.arithmetic import ArithmeticEnv, evaluate

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from palestra.config import (
     ComponentBuildError,
     Config,

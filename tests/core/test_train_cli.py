@@ -13,11 +13,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import plugin_installs
 import pytest
 import torch
 import yaml
-
-import plugin_installs
 from palestra import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,3 +200,22 @@ def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert state["config"]["policy"]["options"]["path"] == str(model_dir)
+
+
+# ---- the main job ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_builtin_run_learns_both_reward_layers(tmp_path: Path) -> None:
+    """`palestra train` with no config: held-out reward from the untrained level to >= 0.8 of the maximum (~2 min)."""
+    out = tmp_path / "runs"
+    result = plugin_installs.run_palestra(["train", f"run.output_dir={out}", "loggers=[{name: jsonl}]"], [], tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr
+    table = {}
+    for line in result.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] in ("reward", "format", "correctness"):
+            table[parts[0]] = (float(parts[-2]), float(parts[-1]))
+    assert "held-out reward on 64 tasks, greedy (max 2):" in result.stdout
+    before, after = table["reward"]
+    assert before <= 0.5 and after >= 0.8 * 2.0, result.stdout
+    assert table["format"][1] == 1.0 and table["correctness"][1] >= 0.6
+    assert (out / "arithmetic" / "dashboard.png").stat().st_size > 10_000

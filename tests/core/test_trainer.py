@@ -16,10 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import plugin_installs
 import pytest
 import torch
-
-import plugin_installs
 from palestra.config import ComponentBuildError, Config, to_plain, validate_config
 from palestra.plugins.envs.relay import ROLES
 from palestra.rollout import Rollout, collect

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from palestra.config import TrainConfig
 from palestra.policy import CausalLMPolicy
 from palestra.types import Experience

@@ -11,9 +11,22 @@ import math
 
 import pytest
 import torch
-
-from algo_helpers import Masked, ToyPolicy, make_batch, reference_logprobs, reference_scores, train_config, with_behaviour
-from palestra.algorithm import Algorithm, group_size_of, kl_divergence, last_token_rewards, lr_factor
+from algo_helpers import (
+    Masked,
+    ToyPolicy,
+    make_batch,
+    reference_logprobs,
+    reference_scores,
+    train_config,
+    with_behaviour,
+)
+from palestra.algorithm import (
+    Algorithm,
+    group_size_of,
+    kl_divergence,
+    last_token_rewards,
+    lr_factor,
+)
 from palestra.config import ConfigError
 from palestra.plugin_manager import get_registry
 

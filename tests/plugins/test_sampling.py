@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
 from palestra.sampling import generate, pick_tokens, sample
