@@ -356,11 +356,13 @@ class Algorithm:
             )
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"{self.name}.update: non-finite gradient norm ({grad_norm}) in pass {pass_index}")
-            before = [p.detach().clone() for p in params]
+            track = getattr(self.train, "track_update_ratio", True)
+            before = [p.detach().clone() for p in params] if track else []  # a copy of the weights: optional
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             metrics["grad/norm"] = grad_norm
-            metrics["grad/update_ratio"] = update_ratio(before, params)
+            if track:
+                metrics["grad/update_ratio"] = update_ratio(before, params)
             for key, v in metrics.items():
                 totals[key] = totals.get(key, 0.0) + v / passes
         self.scheduler.step()

@@ -190,6 +190,7 @@ class TrainConfig:
     eval_every: int = option(0, ge=0)  # held-out evaluation every N steps (0: only before and after training)
     eval_size: int = option(64, ge=1)  # held-out tasks per evaluation (greedy decoding, every reward layer counted)
     reward_ema: float = option(0.9, ge=0, lt=1)  # decay of the logged reward moving average (reward/ema)
+    track_update_ratio: bool = True  # log ||Δθ||/||θ|| (grad/update_ratio); costs one copy of the weights per step
     save_every: int = option(0, ge=0)  # 0: only at the end
 
     def __post_init__(self) -> None:

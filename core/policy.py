@@ -118,6 +118,22 @@ class CausalLMPolicy(torch.nn.Module):
             mask[i, width - len(r) :] = True
         return ids_t.to(self.device), mask.to(self.device)
 
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., len(tokenizer)]`` for hidden states ``[..., H]``.
+
+        A model whose output head has more rows than the tokenizer has tokens (vocabularies padded to a
+        multiple of 64 or 128, as Qwen's are) must never sample those ids, which no text decodes to; the head
+        is sliced to the tokenizer's size before the matmul, so they are neither sampled nor normalised over,
+        and nothing is copied.
+        """
+        head = self.output_head()
+        n = len(self.tokenizer)
+        if isinstance(head, torch.nn.Linear) and head.out_features > n:
+            bias = None if head.bias is None else head.bias[:n]
+            return torch.nn.functional.linear(states, head.weight[:n], bias)
+        out = head(states)
+        return out[..., :n] if out.shape[-1] > n else out
+
     def enable_value_head(self) -> torch.nn.Linear:
         """Add (once) a linear value head on the final hidden states; its parameters join :meth:`parameters`."""
         if self.value_head is None:
@@ -155,7 +171,7 @@ class CausalLMPolicy(torch.nn.Module):
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden, _ = self.trunk(input_ids, mask, position_ids)
         states = hidden[:, p - 1 : p + t - 1]  # the state before each completion token predicts it
-        logits = self.output_head()(states)
+        logits = self.logits(states)
         tokens = completion_ids.masked_fill(~completion_mask, -100)
         logp, ent = logprob_entropy(logits, tokens, temperature=temperature, ignore_index=-100)
         out = TokenScores(logprobs=logp, entropy=ent if entropy else None)
@@ -181,7 +197,7 @@ class CausalLMPolicy(torch.nn.Module):
     ) -> tuple[torch.Tensor, Any]:
         """Logits ``[B, V]`` (float32) for the token after ``input_ids [B, L]``, and the extended cache."""
         hidden, cache = self.trunk(input_ids, attention_mask, position_ids, cache, use_cache=True)
-        return self.output_head()(hidden[:, -1]).float(), cache
+        return self.logits(hidden[:, -1]).float(), cache
 
 
 __all__ = ["CausalLMPolicy", "TokenScores", "Tokenizer"]

@@ -250,6 +250,19 @@ def test_update_reports_pre_clip_norm_and_update_ratio():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
+def test_the_update_ratio_can_be_switched_off_and_the_step_is_the_same():
+    runs = []
+    for track in (True, False):
+        torch.manual_seed(0)
+        policy = ToyPolicy()
+        algo = build("grpo")
+        algo.setup(policy, train_config(track_update_ratio=track, lr=0.05))
+        metrics = algo.update(policy, algo.prepare(shifted_batch(policy)))
+        assert ("grad/update_ratio" in metrics) is track
+        runs.append([p.detach().clone() for p in policy.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_non_finite_loss_is_one_line_error():
     policy = ToyPolicy()
     algo = build("grpo")

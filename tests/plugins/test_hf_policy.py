@@ -126,7 +126,7 @@ def test_score_equals_float64_log_softmax_of_hf_logits(policies: dict[str, Causa
         for b in range(len(OBSERVATIONS)):
             prompt, completion = real_row(ids, mask, b), real_row(comp, cmask, b)
             row = torch.cat([prompt, completion])[None]
-            logits = policy.model(input_ids=row).logits[0].double()  # unpadded: HF's default positions
+            logits = policy.model(input_ids=row).logits[0, :, : len(policy.tokenizer)].double()  # unpadded rows
             states = logits[len(prompt) - 1 : len(row[0]) - 1] / 0.7
             logp_all = torch.log_softmax(states, dim=-1)
             want = logp_all.gather(-1, completion[:, None]).squeeze(-1)
@@ -161,7 +161,7 @@ def test_kv_cache_decode_matches_full_forward(policies: dict[str, CausalLMPolicy
         for b in range(len(OBSERVATIONS)):
             prompt = real_row(ids, prompt_mask, b)
             row = torch.cat([prompt, fed[b, : steps - 1]])[None]
-            want = policy.model(input_ids=row).logits[0, len(prompt) - 1 :].float()
+            want = policy.model(input_ids=row).logits[0, len(prompt) - 1 :, : len(policy.tokenizer)].float()
             torch.testing.assert_close(got_t[b], want, atol=2e-4, rtol=1e-4)
 
 
@@ -270,7 +270,12 @@ def test_not_a_causal_lm(folders: dict[str, Path]) -> None:
 
 # ---- sampling through palestra.sampling ------------------------------------------------------------------
 def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, stops: list[int]) -> list[list[int]]:
-    """``model.generate(do_sample=False)`` from the same left-padded prompts, each row cut after its first stop."""
+    """``model.generate(do_sample=False)`` from the same left-padded prompts, each row cut after its first stop.
+
+    Ids past the tokenizer (a padded embedding, as Qwen's) are suppressed, as our policy never produces them.
+    """
+    rows_in_head = policy.model.get_output_embeddings().weight.shape[0]
+    padding = list(range(len(policy.tokenizer), rows_in_head))
     with torch.no_grad():
         out = policy.model.generate(
             input_ids=prompt_ids,
@@ -279,6 +284,7 @@ def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: tor
             max_new_tokens=n,
             pad_token_id=policy.tokenizer.pad_token_id,
             eos_token_id=stops,
+            suppress_tokens=padding or None,
         )
     rows = []
     for row in out[:, prompt_ids.shape[1] :].tolist():
@@ -310,3 +316,22 @@ def test_greedy_sampling_matches_hf_generate(policies: dict[str, CausalLMPolicy]
         ours = [g.completion_ids[b, : lengths[b]].tolist() for b in range(len(OBSERVATIONS))]
         assert ours == want
     assert max(len(r) for r in theirs) > 1 and min(len(r) for r in theirs_stop) <= 6
+
+
+def test_a_padded_output_head_never_yields_ids_the_tokenizer_lacks(policies: dict[str, CausalLMPolicy]) -> None:
+    policy = policies["qwen2"]
+    n, rows = len(policy.tokenizer), policy.model.get_output_embeddings().weight.shape[0]
+    assert rows > n  # the fixture pads its embedding, as Qwen does
+    weight = policy.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    sampling = pytest.importorskip("palestra.sampling")
+    try:
+        with torch.no_grad():  # make a padded row the most likely token everywhere: it still must never appear
+            weight[n:] = weight[:1] * 50
+        gen = sampling.generate(policy, OBSERVATIONS, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))
+        scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert int(gen.completion_ids.max()) < n
+    assert torch.allclose(scores.logprobs, gen.logprobs, atol=1e-5)
