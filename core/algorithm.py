@@ -356,7 +356,7 @@ class Algorithm:
             )
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"{self.name}.update: non-finite gradient norm ({grad_norm}) in pass {pass_index}")
-            track = getattr(self.train, "track_update_ratio", True)
+            track = self.train.track_update_ratio
             before = [p.detach().clone() for p in params] if track else []  # a copy of the weights: optional
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

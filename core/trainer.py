@@ -13,7 +13,6 @@ on the same machine and thread count.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import random
 import time
@@ -29,7 +28,7 @@ from .plugin_manager import get_plugin_manager
 from .rollout import Rollout, collect
 from .types import Experience, SamplingParams
 
-__all__ = ["EvalResult", "TrainResult", "Trainer", "derive_seed", "format_before_after"]
+__all__ = ["EvalResult", "TrainResult", "Trainer", "derive_seed"]
 
 
 def derive_seed(seed: int, stream: str, index: int = 0) -> int:
@@ -220,15 +219,3 @@ class Trainer:
         finally:
             tmp.unlink(missing_ok=True)
         return target
-
-
-def format_before_after(before: EvalResult, after: EvalResult) -> list[str]:
-    """The table `palestra train` ends with: held-out reward (and each component) before and after training."""
-    rows = [("reward (total)", before.reward, after.reward)]
-    rows += [(k, before.components.get(k, math.nan), v) for k, v in after.components.items() if "/" not in k]
-    width = max(len(r[0]) for r in rows)
-    best = f" (max {after.max_score:g})" if after.max_score is not None else ""
-    lines = [f"held-out reward on {after.tasks} tasks, greedy{best}:", f"  {'':<{width}}  {'before':>8}  {'after':>8}"]
-    lines += [f"  {name:<{width}}  {b:>8.3f}  {a:>8.3f}" for name, b, a in rows]
-    return lines
-

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
+from typing import TYPE_CHECKING
 
 import yaml
 
-from ..config import (
-    ComponentSpec,
-    Config,
-    ConfigError,
-    load_config,
-    to_plain,
-)
+from ..config import ComponentSpec, Config, ConfigError, load_config, to_plain
+
+if TYPE_CHECKING:
+    from ..trainer import EvalResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,15 +40,24 @@ def _describe(spec: ComponentSpec) -> str:
     return f"{spec.name} {inline}" if options else spec.name
 
 
+def format_before_after(before: EvalResult, after: EvalResult) -> list[str]:
+    """The table `palestra train` ends with: held-out reward (and each component) before and after training."""
+    rows = [("reward (total)", before.reward, after.reward)]
+    rows += [(k, before.components.get(k, math.nan), v) for k, v in after.components.items() if "/" not in k]
+    width = max(len(r[0]) for r in rows)
+    best = f" (max {after.max_score:g})" if after.max_score is not None else ""
+    lines = [f"held-out reward on {after.tasks} tasks, greedy{best}:", f"  {'':<{width}}  {'before':>8}  {'after':>8}"]
+    lines += [f"  {name:<{width}}  {b:>8.3f}  {a:>8.3f}" for name, b, a in rows]
+    return lines
+
+
+
 def run(args: argparse.Namespace) -> int:
     for item in args.overrides:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
     config = load_config(args.config, args.overrides)
-    from ..trainer import (  # torch is only imported once the config is valid
-        Trainer,
-        format_before_after,
-    )
+    from ..trainer import Trainer  # torch is only imported once the config is valid
 
     trainer = Trainer(config)  # builds and checks every component: a bad one stops here, with one line
     for line in summary(config):
