@@ -41,7 +41,9 @@ from .registry import KINDS, Registration, Registry, RegistryError
 __all__ = [
     "ComponentSpec",
     "Config",
+    "AgentsConfig",
     "ConfigError",
+    "DistributedConfig",
     "EnvironmentSpec",
     "GeneratorSpec",
     "KernelsConfig",
@@ -163,6 +165,29 @@ class RunConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-process training under torchrun (ignored in a single process)."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, parameters sharded across ranks
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = option(600.0, gt=0)  # a collective waiting longer (a dead rank) fails every rank
+
+
+@dataclass
+class AgentsConfig:
+    """Multi-agent training: which policy layers the agents share, and how rewards are credited.
+
+    Layer names are the policy's layer groups (the tiny and HF policies: ``embedding``, ``encoder``,
+    ``decoder``). Every group is in exactly one list; all shared or all independent are special cases.
+    """
+
+    shared_layers: list[str] = field(default_factory=lambda: ["embedding", "encoder", "decoder"])
+    independent_layers: list[str] = field(default_factory=list)
+    update_frequency: int = option(1, ge=1)  # the shared layers take one optimiser step every N updates
+    credit: Literal["team", "role"] = "team"  # team: the episode's reward for every agent; role: each agent's own
+
+
+@dataclass
 class KernelsConfig:
     backend: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"  # auto: chosen per device
 
@@ -191,7 +216,20 @@ class TrainConfig:
     eval_size: int = option(64, ge=1)  # held-out tasks per evaluation (greedy decoding, every reward layer counted)
     reward_ema: float = option(0.9, ge=0, lt=1)  # decay of the logged reward moving average (reward/ema)
     track_update_ratio: bool = True  # log ||Δθ||/||θ|| (grad/update_ratio); costs one copy of the weights per step
-    save_every: int = option(0, ge=0)  # 0: only at the end
+    save_every: int = option(0, ge=0)  # checkpoint every N steps; 0: only at the end
+    keep_checkpoints: int = option(3, ge=1)  # the newest K step checkpoints are kept
+    # Mixed precision (torch.amp autocast): compute in bf16/fp16 while weights stay in `dtype`; fp16 adds dynamic
+    # loss scaling. Log-probs and losses are fp32 whatever this is.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass
+    token_budget: int | None = option(None, ge=1)  # micro-batches of at most this many tokens (prompt + completion)
+    auto_micro_batch: bool = False  # size micro-batches from free memory; halve them on out-of-memory
+    offload_reference: bool = False  # keep the frozen reference policy in CPU memory
+    offload_optimizer: bool = False  # keep optimiser state (and an fp32 master copy) in CPU memory
+    # Resilience: a step (rollout, reward, update or data) longer than this dumps every thread's stack and exits.
+    step_timeout_s: float | None = option(None, gt=0)
+    data_timeout_s: float | None = option(120.0, gt=0)  # one environment reset/step longer than this fails the run
+    max_bad_steps: int = option(3, ge=1)  # non-finite loss or reward: skip the step; this many in a row abort
 
     def __post_init__(self) -> None:
         rows = self.batch_size * self.group_size
@@ -244,6 +282,8 @@ class Config:
     loggers: list[LoggerSpec] = field(default_factory=lambda: [LoggerSpec("console"), LoggerSpec("jsonl")])
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     train: TrainConfig = field(default_factory=_default_train)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    agents: AgentsConfig | None = None  # None: one policy for every agent (the single-agent case)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (dicts, lists, scalars) with every default filled in; what ``palestra config show`` prints."""
