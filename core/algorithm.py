@@ -10,7 +10,11 @@ methods:
 
 The base does everything else: option checking, the AdamW optimiser and learning-rate schedule, the
 update loop (``train.updates_per_batch`` passes, each shuffled and split into ``train.grad_accum``
-micro-batches, one optimiser step per pass, gradient clipping), and checkpoints.
+micro-batches, one optimiser step per pass, gradient clipping), and checkpoints. It also applies the
+scale and memory switches of ``train``: mixed precision (:mod:`palestra.precision`: autocast around the
+policy forward only, fp16 loss scaling), token-budget and automatic micro-batches with out-of-memory
+back-off, CPU offload of the reference and the optimiser, gradient checkpointing (:mod:`palestra.memory`),
+and skipping a step whose loss or gradient norm is not finite (``train/skipped``) instead of raising.
 
 Micro-batches are weighted so that a pass's gradient equals the full-batch gradient whatever
 ``grad_accum`` is: with ``loss_agg="token_mean"`` each micro-batch counts by its share of the pass's
@@ -28,8 +32,9 @@ surrogate with entropy bonus and optional KL loss).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -55,6 +60,8 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 KLEstimator = Literal["k1", "k2", "k3"]
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+
+log = logging.getLogger("palestra.algorithm")
 
 # exp() of a log-ratio beyond this overflows float32 long before it means anything; k3 clamps there.
 _MAX_LOG_RATIO = 20.0
@@ -193,6 +200,7 @@ class Algorithm:
     name: ClassVar[str] = "algorithm"  # the registered name; prefixes error messages
     Options: ClassVar[type] = AlgorithmOptions
     needs_value_head: ClassVar[bool] = False
+    routes_agents: ClassVar[bool] = True  # scores each row with its agent's parameters (see agent_rows)
 
     def __init__(self, **options: Any) -> None:
         import torch
@@ -207,6 +215,16 @@ class Algorithm:
         self.norm_length: int = 1
         # Shuffles rows between micro-batches; its own generator so that sampling elsewhere does not move it.
         self.shuffle_generator = torch.Generator()
+        # The trainable parameters on the training device, in the optimiser's order (the optimiser itself holds
+        # CPU master copies under train.offload_optimizer).
+        self.params: list[torch.nn.Parameter] = []
+        self.precision: Any = None  # palestra.precision.Precision, built in setup()
+        self.master: Any = None  # palestra.memory.CPUMasterWeights under train.offload_optimizer
+        # Called with self.params after the last micro-batch's backward and before unscaling/clipping, when set:
+        # the trainer's gradient all-reduce for data parallelism (default: nothing to sync).
+        self.grad_sync: Callable[[list[torch.nn.Parameter]], None] | None = None
+        # train.auto_micro_batch: the highest token budget known to fit (lowered by each out-of-memory back-off).
+        self.auto_budget_cap: int | None = None
 
     # ---- what subclasses provide -------------------------------------------------------------------
     @property
@@ -230,8 +248,17 @@ class Algorithm:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def setup(self, policy: Any, train: Any, *, reference: Any = None) -> None:
-        """Bind ``policy`` (and ``reference``), add a value head if needed, build AdamW and the LR schedule."""
+        """Bind ``policy`` (and ``reference``), add a value head if needed, build AdamW and the LR schedule.
+
+        Also applies the memory and precision switches of ``train``: gradient checkpointing on the policy,
+        the reference moved to CPU memory (``offload_reference``), a CPU master copy for the optimiser
+        (``offload_optimizer``), and the autocast/loss-scaling set-up (``precision``).
+        """
         import torch
+
+        from .config import ConfigError
+        from .memory import CPUMasterWeights
+        from .precision import Precision
 
         if self.needs_reference and reference is None:
             raise ValueError(f"{self.name}: the KL term needs a frozen reference policy; setup() got reference=None")
@@ -239,12 +266,31 @@ class Algorithm:
         self.reference = reference if self.needs_reference else None
         if self.reference is not None:
             self.reference.requires_grad_(False)
+            if getattr(train, "offload_reference", False):
+                self.reference.to("cpu")  # visits the training device only in prepare() (memory.borrowed)
         if self.needs_value_head:
             policy.enable_value_head()
+        if getattr(train, "gradient_checkpointing", False):
+            toggle = getattr(policy, "set_gradient_checkpointing", None)
+            if toggle is None:
+                raise ConfigError(
+                    f"train.gradient_checkpointing: the policy ({type(policy).__name__}) has no "
+                    "set_gradient_checkpointing(on); set it to false"
+                )
+            toggle(True)
         params = [p for p in policy.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{self.name}: the policy ({type(policy).__name__}) has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+        self.params = params
+        self.precision = Precision(
+            getattr(train, "precision", "fp32"), params[0].device.type, param_dtype=params[0].dtype
+        )
+        self.master = None
+        stepped: list[torch.Tensor] = params
+        if getattr(train, "offload_optimizer", False):
+            self.master = CPUMasterWeights(params)
+            stepped = self.master.master
+        self.optimizer = torch.optim.AdamW(stepped, lr=train.lr, weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(train.lr_schedule, train.warmup_steps, train.steps)
         )
@@ -254,50 +300,177 @@ class Algorithm:
         # Derived from the process seed (the trainer seeds torch from run.seed), offset so that it does not
         # replay the default generator's stream.
         self.shuffle_generator.manual_seed((torch.initial_seed() + 0x5EED_5EED) % (2**63))
+        self.auto_budget_cap = None
 
     def _require_setup(self, what: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(f"{self.name}.{what}: call setup(policy, train) first")
 
     def prepare(self, batch: Experience) -> Experience:
-        """Reference log-probs (when there is a reference), then :meth:`advantages`; no gradients."""
+        """Reference log-probs (when there is a reference), then :meth:`advantages`; no gradients.
+
+        An offloaded reference (``train.offload_reference``) is brought to the policy's device for the scoring
+        and sent back to CPU memory afterwards.
+        """
         import torch
+
+        from .memory import borrowed
 
         self._require_setup("prepare")
         batch.validate()
         with torch.no_grad():
             if self.reference is not None:
-                batch.ref_logprobs = self.score_in_chunks(self.reference, batch).logprobs
+                if getattr(self.train, "offload_reference", False):
+                    with borrowed(self.reference, batch.completion_ids.device) as reference:
+                        batch.ref_logprobs = self.score_in_chunks(reference, batch).logprobs
+                else:
+                    batch.ref_logprobs = self.score_in_chunks(self.reference, batch).logprobs
             return self.advantages(batch)
 
-    def score_in_chunks(self, model: Any, batch: Experience, *, values: bool = False) -> Any:
-        """``model.score`` over ``batch`` in the update's micro-batch size (memory like a training step)."""
+    # ---- micro-batch plans -----------------------------------------------------------------------------
+    def token_budget(self, batch: Experience) -> int | None:
+        """Tokens per micro-batch for ``batch``: None for the plain ``train.grad_accum`` split; else
+        ``train.token_budget``, or (``train.auto_micro_batch``) a budget from free memory, capped by the
+        token budget and by what an out-of-memory back-off has learnt."""
+        t = self.train
+        fixed = getattr(t, "token_budget", None)
+        if not getattr(t, "auto_micro_batch", False):
+            return fixed
+        from .memory import auto_token_budget, row_tokens
+
+        elem = 2 if self.precision is not None and self.precision.enabled else self.params[0].element_size()
+        width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+        budget = auto_token_budget(
+            self.policy, self.params[0].device, width, elem,
+            checkpointing=bool(getattr(t, "gradient_checkpointing", False)),
+        )
+        for cap in (fixed, self.auto_budget_cap, batch.batch_size * width):  # never more than the whole batch
+            if cap is not None:
+                budget = min(budget, cap)
+        biggest = int(row_tokens(batch).max()) if batch.batch_size else 1
+        return max(budget, biggest)  # one row per micro-batch at least; the back-off decides if even that fails
+
+    def plan(self, batch: Experience, budget: int | None, *, shuffle: bool = True) -> list[torch.Tensor]:
+        """Row indices of the micro-batches of one pass: ``train.grad_accum`` equal splits of a random order,
+        or token-budget packs (:func:`palestra.memory.plan_micro_batches`)."""
         import torch
 
+        from .memory import RowTooLong, plan_micro_batches
+
+        n = batch.batch_size
+        if budget is None:
+            k = self.train.grad_accum
+            order = torch.randperm(n, generator=self.shuffle_generator) if shuffle else torch.arange(n)
+            return [c for c in torch.tensor_split(order, k) if shuffle or len(c)]
+        try:
+            return plan_micro_batches(batch, budget, self.shuffle_generator if shuffle else None)
+        except RowTooLong as e:
+            raise ValueError(
+                f"{self.name}: train.token_budget={budget} is smaller than row {e.row} of the batch, which needs "
+                f"{e.tokens} tokens (prompt + completion) by itself; raise train.token_budget"
+            ) from None
+
+    def _with_backoff(self, batch: Experience, budget: int | None, attempt: Callable[[int | None], Any], what: str) -> Any:
+        """``attempt(budget)``; under ``train.auto_micro_batch`` an out-of-memory error halves the budget and
+        retries, until a plan of one row per micro-batch fails too (then a one-line :class:`OutOfMemory`)."""
+        from .memory import (
+            OutOfMemory,
+            free_cached_memory,
+            is_out_of_memory,
+            plan_micro_batches,
+            row_tokens,
+        )
+
+        auto = bool(getattr(self.train, "auto_micro_batch", False))
+        while True:
+            try:
+                return attempt(budget)
+            except Exception as e:
+                if not (auto and budget is not None and is_out_of_memory(e)):
+                    raise
+                self._zero_grads()
+                free_cached_memory(self.params[0].device)
+                biggest = int(row_tokens(batch).max())
+                if budget <= biggest or max(len(c) for c in plan_micro_batches(batch, budget)) <= 1:
+                    raise OutOfMemory(
+                        f"{self.name}.{what}: out of memory with one row per micro-batch (a budget of {budget} "
+                        f"tokens; the longest row has {biggest}); train.auto_micro_batch cannot back off further: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                    ) from None
+                smaller = max(biggest, budget // 2)
+                log.warning(
+                    "%s.%s: out of memory at a budget of %d tokens per micro-batch; retrying with %d "
+                    "(train.auto_micro_batch)", self.name, what, budget, smaller,
+                )
+                budget = smaller
+                self.auto_budget_cap = smaller
+
+    # ---- scoring ----------------------------------------------------------------------------------------
+    def score_in_chunks(self, model: Any, batch: Experience, *, values: bool = False) -> Any:
+        """``model.score`` over ``batch`` in the update's micro-batch size (memory like a training step), under
+        the training precision's autocast; with a token budget, in token-budget packs of trimmed rows."""
+        import torch
+
+        from .memory import trim_padding
         from .policy import TokenScores
 
         n = batch.batch_size
-        size = max(1, math.ceil(n / self.train.grad_accum))
-        parts = []
-        for start in range(0, n, size):
-            s = slice(start, start + size)
-            parts.append(
-                model.score(
-                    batch.prompt_ids[s], batch.prompt_mask[s], batch.completion_ids[s], batch.completion_mask[s],
-                    temperature=self.temperature, entropy=False, values=values,
+        budget = self.token_budget(batch)
+
+        def run(budget: int | None) -> Any:
+            if budget is None:
+                size = max(1, math.ceil(n / self.train.grad_accum))
+                parts = []
+                for start in range(0, n, size):
+                    s = slice(start, start + size)
+                    with self.autocast():
+                        parts.append(
+                            model.score(
+                                batch.prompt_ids[s], batch.prompt_mask[s], batch.completion_ids[s],
+                                batch.completion_mask[s], temperature=self.temperature, entropy=False, values=values,
+                                **agent_rows(model, batch.agent_ids[s]),
+                            )
+                        )
+                return TokenScores(
+                    logprobs=torch.cat([p.logprobs for p in parts]),
+                    values=torch.cat([p.values for p in parts]) if values else None,
                 )
-            )
-        return TokenScores(
-            logprobs=torch.cat([p.logprobs for p in parts]),
-            values=torch.cat([p.values for p in parts]) if values else None,
-        )
+            shape = tuple(batch.completion_ids.shape)
+            device = batch.completion_ids.device
+            logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
+            vals = torch.zeros(shape, dtype=torch.float32, device=device) if values else None
+            for idx in self.plan(batch, budget, shuffle=False):
+                micro = trim_padding(batch.select(idx))
+                with self.autocast():
+                    out = model.score(
+                        micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+                        temperature=self.temperature, entropy=False, values=values, **agent_rows(model, micro.agent_ids),
+                    )
+                rows, width = idx.to(device), out.logprobs.shape[1]
+                logprobs[rows, :width] = out.logprobs.float()
+                if vals is not None:
+                    vals[rows, :width] = out.values.float()
+            return TokenScores(logprobs=logprobs, values=vals)
+
+        return self._with_backoff(batch, budget, run, "score")
 
     def score(self, policy: Any, batch: Experience, *, values: bool = False) -> Any:
-        """The policy's differentiable scores on ``batch`` (log-probs and entropy, values if asked)."""
-        return policy.score(
-            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-            temperature=self.temperature, entropy=True, values=values,
-        )
+        """The policy's differentiable scores on ``batch`` (log-probs and entropy, values if asked).
+
+        The forward runs under the training precision's autocast; the scores come out in fp32, so the loss
+        math that follows is fp32.
+        """
+        with self.autocast():
+            return policy.score(
+                batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                temperature=self.temperature, entropy=True, values=values, **agent_rows(policy, batch.agent_ids),
+            )
+
+    def autocast(self) -> Any:
+        """The training precision's autocast region (for scoring outside update(), e.g. rollouts)."""
+        import contextlib
+
+        return self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
 
     # ---- the update --------------------------------------------------------------------------------------
     def batch_for_update(self, batch: Experience) -> Experience:
@@ -315,60 +488,121 @@ class Algorithm:
         return [len(idx) / n for idx in chunks]
 
     def update(self, policy: Any, batch: Experience) -> dict[str, float]:
-        """``train.updates_per_batch`` passes, each one optimiser step over ``train.grad_accum`` micro-batches."""
-        import torch
+        """``train.updates_per_batch`` passes, each one optimiser step over its micro-batches
+        (``train.grad_accum`` of them, or token-budget packs with ``train.token_budget`` / ``auto_micro_batch``).
 
+        A non-finite loss or gradient norm does not raise: the step is skipped (gradients zeroed, no optimiser
+        step, no LR-schedule step), one warning line names the pass and micro-batch, and the metrics say
+        ``train/skipped: 1.0`` (0.0 otherwise); the trainer counts skips in a row (``train.max_bad_steps``).
+        Under fp16 an overflow of the *scaled* gradients is the loss scaler's business (it skips that pass's
+        step and backs off, ``amp/overflow``), not a bad step.
+        """
         self._require_setup("update")
         if policy is not self.policy:
             raise ValueError(f"{self.name}.update: policy is not the one given to setup()")
         assert self.optimizer is not None and self.scheduler is not None
         rows = self.batch_for_update(batch)
         n, k = rows.batch_size, self.train.grad_accum
-        if n < k:
+        budget = self.token_budget(rows)
+        if budget is None and n < k:
             raise ValueError(f"{self.name}.update: the batch has {n} rows, fewer than train.grad_accum={k} micro-batches")
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        max_norm = self.train.max_grad_norm
-        totals: dict[str, float] = {}
         passes = self.train.updates_per_batch
         lr = float(self.optimizer.param_groups[0]["lr"])
+        results: list[dict[str, float]] = []
         for pass_index in range(passes):
-            order = torch.randperm(n, generator=self.shuffle_generator)
-            chunks = [c for c in torch.tensor_split(order, k)]
-            weights = self.micro_weights(rows, chunks)
-            token_shares = token_weights(rows, chunks)  # metrics are token means (see metric_mean)
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics: dict[str, float] = {"loss": 0.0}
-            for micro_index, (w, share, idx) in enumerate(zip(weights, token_shares, chunks)):
-                micro = rows.select(idx)
-                loss, micro_metrics = self.loss(policy, micro)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise FloatingPointError(
-                        f"{self.name}.update: non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} "
-                        f"({micro.batch_size} rows)"
-                    )
-                (loss * w).backward()
-                metrics["loss"] += w * value
-                for key, v in micro_metrics.items():
-                    metrics[key] = metrics.get(key, 0.0) + share * float(v)
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
-            )
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"{self.name}.update: non-finite gradient norm ({grad_norm}) in pass {pass_index}")
-            track = self.train.track_update_ratio
-            before = [p.detach().clone() for p in params] if track else []  # a copy of the weights: optional
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            result = self._with_backoff(rows, budget, lambda b, i=pass_index: self._pass(policy, rows, i, b), "update")
+            if result is None:  # a bad step: skip the rest of this update
+                out = {"train/skipped": 1.0, "lr": lr, **self.precision.metrics()}
+                if getattr(self.train, "auto_micro_batch", False) and self.auto_budget_cap is not None:
+                    out["memory/token_budget"] = float(self.auto_budget_cap)
+                return out
+            results.append(result)
+            if self.auto_budget_cap is not None and budget is not None:
+                budget = min(budget, self.auto_budget_cap)
+        totals: dict[str, float] = {}
+        for key in dict.fromkeys(k for r in results for k in r):  # first-seen order
+            have = [r[key] for r in results if key in r]
+            total = 0.0
+            for v in have:
+                total += v / len(have)
+            totals[key] = total
+        if any(r.get("amp/overflow", 0.0) == 0.0 for r in results):
+            self.scheduler.step()  # the schedule follows optimiser steps (an update lost to fp16 overflow is not one)
+        self.after_update(batch)
+        totals["lr"] = lr
+        totals["train/skipped"] = 0.0
+        totals.update(self.precision.metrics())
+        if budget is not None:
+            totals["memory/token_budget"] = float(budget)
+        return totals
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.master is not None:
+            self.master.zero_grad()
+
+    def _pass(self, policy: Any, rows: Experience, pass_index: int, budget: int | None) -> dict[str, float] | None:
+        """One pass: micro-batch forwards and backwards, gradient sync, unscale, clip, step. None: a bad step."""
+        import torch
+
+        from .memory import trim_padding
+
+        params = self.params
+        chunks = self.plan(rows, budget)
+        weights = self.micro_weights(rows, chunks)
+        token_shares = token_weights(rows, chunks)  # metrics are token means (see metric_mean)
+        self._zero_grads()
+        metrics: dict[str, float] = {"loss": 0.0}
+        bad: str | None = None
+        for micro_index, (w, share, idx) in enumerate(zip(weights, token_shares, chunks)):
+            micro = rows.select(idx)
+            if budget is not None:
+                micro = trim_padding(micro)
+            loss, micro_metrics = self.loss(policy, micro)
+            value = float(loss.detach())
+            if not math.isfinite(value) and bad is None:
+                bad = f"non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} ({micro.batch_size} rows)"
+            # Backward even after a bad loss: every rank runs the same collectives (DDP hooks, grad_sync).
+            self.precision.backward(loss * w)
+            metrics["loss"] += w * value
+            for key, v in micro_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + share * float(v)
+        if bad is not None:
+            # Make the skip collective: NaN gradients reach every rank through grad_sync, so all ranks skip.
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.fill_(math.nan)
+        if self.grad_sync is not None:
+            self.grad_sync(params)
+        stepped: list[torch.Tensor] = params
+        if self.master is not None:
+            self.master.grads_from(params)  # gradients to CPU memory; the step runs there
+            stepped = self.master.master
+        self.precision.unscale_(self.optimizer)
+        max_norm = self.train.max_grad_norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(stepped, max_norm if max_norm is not None else math.inf))
+        if bad is None and not math.isfinite(grad_norm) and self.precision.scaler is None:
+            bad = f"non-finite gradient norm ({grad_norm}) in pass {pass_index}"
+        if bad is not None:
+            self.precision.skip(self.optimizer)
+            self._zero_grads()
+            log.warning("%s.update: skipped the optimiser step: %s", self.name, bad)
+            return None
+        track = self.train.track_update_ratio
+        before = [p.detach().clone() for p in params] if track else []  # a copy of the weights: optional
+        took = self.precision.step(self.optimizer)
+        if took and self.master is not None:
+            self.master.copy_to(params)
+        self._zero_grads()
+        if self.precision.scaler is not None:
+            metrics["amp/overflow"] = 0.0 if took else 1.0
+        if took:  # an fp16 overflow pass has an inf norm and no update: it does not count in their means
             metrics["grad/norm"] = grad_norm
             if track:
                 metrics["grad/update_ratio"] = update_ratio(before, params)
-            for key, v in metrics.items():
-                totals[key] = totals.get(key, 0.0) + v / passes
-        self.scheduler.step()
-        self.after_update(batch)
-        totals["lr"] = lr
-        return totals
+        return metrics
 
     # ---- loss helpers ----------------------------------------------------------------------------------
     def aggregate(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -483,30 +717,57 @@ class Algorithm:
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Optimiser, LR schedule, the shuffling generator and the subclass's extra state."""
+        """Optimiser, LR schedule, the shuffling generator and the subclass's extra state; plus the fp16 loss
+        scaler's state (``precision``, only under fp16) and the CPU master weights (``master``, only under
+        ``train.offload_optimizer``)."""
         self._require_setup("state_dict")
         assert self.optimizer is not None and self.scheduler is not None
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "shuffle_generator": self.shuffle_generator.get_state(),
             "extra": self.extra_state(),
         }
+        if self.precision.scaler is not None:
+            state["precision"] = self.precision.state_dict()
+        if self.master is not None:
+            state["master"] = [m.clone() for m in self.master.master]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (after :meth:`setup` with the restored policy)."""
+        """Restore :meth:`state_dict` (after :meth:`setup` with the restored policy).
+
+        ``precision`` and ``master`` may be missing (a run saved in another precision or without offload): the
+        scaler then starts fresh and the master copy is the policy's weights.
+        """
         self._require_setup("load_state_dict")
         assert self.optimizer is not None and self.scheduler is not None
         want = {"optimizer", "scheduler", "shuffle_generator", "extra"}
-        if set(state) != want:
+        optional = {"precision", "master"}
+        if not want <= set(state) <= want | optional:
             raise KeyError(
                 f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, "
-                f"unexpected keys {sorted(set(state) - want)}"
+                f"unexpected keys {sorted(set(state) - want - optional)}"
             )
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_generator.set_state(state["shuffle_generator"])
         self.load_extra_state(state["extra"])
+        self.precision.load_state_dict(state.get("precision"))
+        if self.master is not None:
+            import torch
+
+            saved = state.get("master")
+            if saved is None:
+                self.master.load_from(self.params)
+            else:
+                with torch.no_grad():
+                    for m, s in zip(self.master.master, saved):
+                        m.copy_(s)
+
+def agent_rows(model: Any, agent_ids: Sequence[Any]) -> dict[str, Any]:
+    """``{"agent_ids": ...}`` for a policy that routes rows to per-agent parameters (a multi-agent policy)."""
+    return {"agent_ids": list(agent_ids)} if getattr(model, "routes_agents", False) else {}
 
 
 def token_weights(batch: Experience, chunks: Sequence[torch.Tensor]) -> list[float]:
@@ -525,8 +786,12 @@ def update_ratio(before: Sequence[torch.Tensor], params: Sequence[torch.Tensor])
     delta = torch.zeros((), dtype=torch.float64)
     norm = torch.zeros((), dtype=torch.float64)
     for b, p in zip(before, params):
-        delta += (p.detach().double() - b.double()).square().sum().cpu()
-        norm += b.double().square().sum().cpu()
+        d = (p.detach().double() - b.double()).square().sum()
+        n = b.double().square().sum()
+        if hasattr(d, "full_tensor"):  # FSDP2 shards are DTensors: their sums are partial until gathered
+            d, n = d.full_tensor(), n.full_tensor()
+        delta += d.cpu()
+        norm += n.cpu()
     return float(delta.sqrt() / norm.sqrt()) if float(norm) > 0 else 0.0
 
 

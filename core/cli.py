@@ -1,4 +1,4 @@
-"""The ``palestra`` command: train | plugins | config | bench.
+"""The ``palestra`` command: train | plugins | config | bench | plot | doctor.
 
 Each subcommand lives in ``palestra.commands.<name>`` and is imported only when used, so
 ``palestra --help`` stays fast. A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -20,6 +20,7 @@ COMMANDS = {
     "config": "show the resolved configuration",
     "bench": "benchmark the kernels against baselines",
     "plot": "draw a run's metrics as a PNG dashboard",
+    "doctor": "check the toolchain, kernels, data pipeline and one training step",
 }
 
 

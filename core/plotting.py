@@ -115,6 +115,7 @@ class _Known:
 # In dashboard order. Per-agent variants (``<key>/<agent>``) of these keys join their panel.
 KNOWN_PANELS: tuple[_Known, ...] = (
     _Known("reward", prefix="reward/"),
+    _Known("reward per agent", prefix="reward/agent/"),  # multi-agent: each agent's own turn's reward
     _Known("policy entropy", ("policy/entropy",)),
     _Known("KL to reference", ("policy/kl",)),
     _Known("clip fraction", ("policy/clip_frac",)),
@@ -175,7 +176,8 @@ def plan_panels(records: Iterable[Mapping[str, Any]]) -> list[Panel]:
         if key == "eval/reward" or key.startswith("eval/reward/"):
             eval_reward.append(key)  # held-out reward: points on the reward panel
             continue
-        home = next((p for p in KNOWN_PANELS if _belongs(key, p)), None)
+        # the most specific panel: reward/agent/<id> goes to "reward per agent", not "reward"
+        home = max((p for p in KNOWN_PANELS if _belongs(key, p)), key=lambda p: len(p.prefix or ""), default=None)
         if home is not None:
             known_members[home.title].append(key)
         else:

@@ -52,8 +52,10 @@ TRACE_PLUGINS_ENV = "PALESTRA_TRACE_PLUGINS"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "palestra.plugins.envs.arithmetic",
     "palestra.plugins.envs.relay",
+    "palestra.plugins.envs.customer_service",
     "palestra.plugins.rewards.basic",
     "palestra.plugins.rewards.combinators",
+    "palestra.plugins.rewards.dialogue",
     "palestra.plugins.policies.tiny",
     "palestra.plugins.policies.hf",
     "palestra.plugins.generators.kv_cache",
@@ -62,6 +64,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "palestra.plugins.optimizers.grpo",
     "palestra.plugins.optimizers.rloo",
     "palestra.plugins.optimizers.reinforce_pp",
+    "palestra.plugins.optimizers.mappo",
     "palestra.plugins.loggers.console",
     "palestra.plugins.loggers.jsonl",
     "palestra.plugins.loggers.tensorboard",

@@ -86,6 +86,12 @@ class CausalLMPolicy(torch.nn.Module):
     def hidden_size(self) -> int:
         raise NotImplementedError
 
+    def layer_groups(self) -> dict[str, list[str]]:
+        """Module-name prefixes of the layer groups multi-agent sharing works in (:mod:`palestra.multi_agent`):
+        ``embedding`` (token embedding), ``encoder`` (the transformer blocks), ``decoder`` (final norm, output
+        head, value head). Every parameter lies under exactly one prefix (a tied weight under two)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define layer_groups(); multi-agent sharing needs it")
+
     def encode_prompt(self, observation: Observation) -> list[int]:
         """Token ids of one observation's prompt. Override to apply a chat template to ``observation.messages``."""
         return self.tokenizer.encode(observation.prompt)
@@ -133,6 +139,19 @@ class CausalLMPolicy(torch.nn.Module):
             return torch.nn.functional.linear(states, head.weight[:n], bias)
         out = head(states)
         return out[..., :n] if out.shape[-1] > n else out
+
+    def set_gradient_checkpointing(self, on: bool) -> None:
+        """Recompute activations in the backward pass instead of keeping them (``train.gradient_checkpointing``).
+
+        Policies that can override this; the base refuses to turn it on with a one-line error.
+        """
+        if on:
+            from .config import ConfigError
+
+            raise ConfigError(
+                f"train.gradient_checkpointing: the policy {type(self).__name__} does not support gradient "
+                "checkpointing; set it to false"
+            )
 
     def enable_value_head(self) -> torch.nn.Linear:
         """Add (once) a linear value head on the final hidden states; its parameters join :meth:`parameters`."""

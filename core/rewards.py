@@ -48,8 +48,9 @@ class RewardError(ValueError):
 
     palestra_user_error = True
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, nonfinite: bool = False) -> None:
         super().__init__(" ".join(str(message).split()))
+        self.nonfinite = nonfinite  # a NaN/inf score: the trainer skips the step instead of stopping
 
 
 # ---- the checked call --------------------------------------------------------------------------------
@@ -148,7 +149,8 @@ class CheckedReward:
         if bad.numel():
             row = int(bad[0, 0])
             raise RewardError(
-                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion {_snippet(completions[row])})"
+                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion {_snippet(completions[row])})",
+                nonfinite=True,
             )
         return scores
 

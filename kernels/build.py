@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ class NativeLibrary:
         for f in [*files, *headers]:  # a changed header must not load a stale cached build
             h.update(f.name.encode())
             h.update(f.read_bytes())
-        for part in (*self._flags()[0], *self._flags()[1], torch.__version__, sys.version, _cpu_flags()):
+        parts = (*self._flags()[0], *self._flags()[1], torch.__version__, sys.version, _cpu_flags(), _ninja_version())
+        for part in parts:
             h.update(part.encode())
         return cache_root() / f"{self.name}-{h.hexdigest()[:16]}"
 
@@ -153,6 +155,17 @@ class NativeLibrary:
         """Run ``callback`` once the library is loaded: ops register their fake and autograd
         formulas here, because ``torch.library`` needs the C++ schema to exist first."""
         self._on_load.append(callback)
+
+
+def _ninja_version() -> str:
+    """The version of the ninja on PATH (the one torch runs). Part of the cache key because two ninja versions
+    each read the other's build log as stale and rebuild everything: a venv's ninja beside /usr/bin/ninja
+    would otherwise rebuild one shared cache back and forth."""
+    try:
+        out = subprocess.run(["ninja", "--version"], capture_output=True, text=True, timeout=30, check=False)
+        return f"ninja {out.stdout.strip()}"
+    except (OSError, subprocess.SubprocessError):
+        return "ninja missing"
 
 
 def _first_error(log: str, files: list[Path]) -> tuple[str, str]:

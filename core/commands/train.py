@@ -1,14 +1,30 @@
-"""Train a policy: resolve the config, load the plugins, build and check the components, run the trainer, report."""
+"""Train a policy: resolve the config, load the plugins, build and check the components, run the trainer, report.
+
+``--resume RUN_DIR`` continues a run from its newest checkpoint with the config saved in it; only the keys in
+:data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts) may be overridden,
+since anything else would make the continuation a different run. Under torchrun every rank runs this command;
+rank 0 prints and plots.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import TYPE_CHECKING
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ..config import ComponentSpec, Config, ConfigError, load_config, to_plain
+from ..config import (
+    ComponentSpec,
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+    to_plain,
+    validate_config,
+)
 
 if TYPE_CHECKING:
     from ..trainer import EvalResult
@@ -16,7 +32,57 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides such as train.lr=3e-4")
+
+
+# What `--resume` lets you change: extend the run (train.steps; the LR schedule is recomputed for the new length)
+# and how it saves, logs, evaluates and times out. Anything else would continue a different run.
+RESUMABLE_KEYS = (
+    "train.steps", "train.save_every", "train.keep_checkpoints", "train.log_every", "train.eval_every",
+    "train.step_timeout_s", "train.data_timeout_s", "train.max_bad_steps", "distributed.timeout_s",
+)
+
+
+# Test hook: every rank writes its full parameters (and the optimiser's extra state) to DIR/rank<r>.pt after
+# training, so a test can check that the ranks agree bitwise.
+DUMP_ENV = "PALESTRA_TEST_DUMP_PARAMS"
+
+
+def dump_parameters(trainer: Any, folder: Path) -> None:
+    import torch
+
+    if trainer.dist.fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        params = get_model_state_dict(trainer.policy, options=StateDictOptions(full_state_dict=True))
+    else:
+        params = trainer.policy.state_dict()
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = trainer.algorithm.state_dict()["extra"] if not trainer.dist.fsdp else {}
+    torch.save({"params": params, "extra": extra}, folder / f"rank{trainer.dist.rank}.pt")
+
+
+def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, str]:
+    """The config saved in ``run_dir``'s newest checkpoint with the allowed overrides applied, and that checkpoint."""
+    import torch
+
+    from ..checkpoint import find_resume_checkpoint
+    from ..config import _set_path
+
+    path = find_resume_checkpoint(run_dir)
+    raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["config"]
+    for item in overrides:
+        keys, value = parse_override(item)
+        dotted = ".".join(str(k) for k in keys)
+        if dotted not in RESUMABLE_KEYS:
+            raise ConfigError(f"{dotted}: cannot be changed with --resume (the run continues with its saved config); "
+                              f"allowed: {', '.join(RESUMABLE_KEYS)}")
+        _set_path(raw, keys, value)
+    return validate_config(raw), str(path)
 
 
 def summary(config: Config) -> list[str]:
@@ -56,13 +122,37 @@ def run(args: argparse.Namespace) -> int:
     for item in args.overrides:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
-    config = load_config(args.config, args.overrides)
+    resume = getattr(args, "resume", None)
+    if resume is not None and args.config is not None:
+        raise ConfigError("--resume: the run continues with the config saved in its checkpoint; drop --config")
+    checkpoint = None
+    if resume is not None:
+        config, checkpoint = resume_config(resume, args.overrides)
+    else:
+        config = load_config(args.config, args.overrides)
     from ..trainer import Trainer  # torch is only imported once the config is valid
 
-    trainer = Trainer(config)  # builds and checks every component: a bad one stops here, with one line
-    for line in summary(config):
-        print(line)
-    result = trainer.train()
+    # builds and checks every component: a bad one stops here, with one line
+    trainer = Trainer(config, run_dir=resume) if resume is not None else Trainer(config)
+    try:
+        main = trainer.dist.is_main
+        if checkpoint is not None:
+            trainer.load(checkpoint)
+            if main:
+                print(f"resuming {resume} from {checkpoint} at step {trainer.step} of {config.train.steps}")
+        if main:
+            for line in summary(config):
+                print(line)
+            if trainer.dist.enabled:
+                print(f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
+                      f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank")
+        result = trainer.train()
+        if os.environ.get(DUMP_ENV):
+            dump_parameters(trainer, Path(os.environ[DUMP_ENV]))
+    finally:
+        trainer.dist.close()
+    if not main:
+        return 0
     print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
     for line in format_before_after(result.before, result.after):
         print(line)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
+
+from palestra.types import Observation, StepResult
 
 T = TypeVar("T")
+
+
+class _HasTurn(Protocol):
+    turn: int
+
+
+Row = TypeVar("Row", bound=_HasTurn)
 
 
 def draw_tasks(
@@ -34,3 +43,36 @@ def check_actions(env: str, actions: Sequence[str | None], live: Sequence[bool])
     for i, (action, running) in enumerate(zip(actions, live)):
         if running and not isinstance(action, str):
             raise ValueError(f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}")
+
+
+def step_turns(
+    env: str,
+    rows: Sequence[Row],
+    actions: Sequence[str | None],
+    max_turns: int,
+    act: Callable[[Row, str], dict[str, dict[str, Any]]],
+    observe: Callable[[Row], Observation],
+) -> StepResult:
+    """One turn of a turn-based environment whose rows carry a ``turn`` counter.
+
+    ``act(row, action)`` applies a live row's action and returns its info (``{agent: {...}}``); the row then
+    moves to its next turn, and ``observe(row)`` makes the next observation unless ``max_turns`` is reached.
+    """
+    live = [r.turn < max_turns for r in rows]
+    check_actions(env, actions, live)
+    observations: list[Observation | None] = []
+    done: list[bool] = []
+    info: list[dict[str, dict[str, Any]]] = []
+    for row, running, action in zip(rows, live, actions):
+        if not running:
+            observations.append(None)
+            done.append(True)
+            info.append({})
+            continue
+        assert action is not None
+        info.append(act(row, action))
+        row.turn += 1
+        finished = row.turn >= max_turns
+        observations.append(None if finished else observe(row))
+        done.append(finished)
+    return StepResult(observations=observations, done=done, info=info)

@@ -24,7 +24,7 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from ._episodes import check_actions, draw_tasks
+from ._episodes import draw_tasks, step_turns
 
 ROLES = ("planner", "retriever", "responder")
 
@@ -159,25 +159,10 @@ class RelayEnv:
         return [self._observation(r) for r in self._rows]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
-        live = [r.turn < self.max_turns for r in self._rows]
-        check_actions("relay", actions, live)
-        observations: list[Observation | None] = []
-        done: list[bool] = []
-        info: list[dict[str, dict[str, Any]]] = []
-        for row, running, action in zip(self._rows, live, actions):
-            if not running:
-                observations.append(None)
-                done.append(True)
-                info.append({})
-                continue
-            assert action is not None
-            agent = self.agent_for(row.turn)
-            info.append({agent: self._apply(row, action)})
-            row.turn += 1
-            finished = row.turn >= self.max_turns
-            observations.append(None if finished else self._observation(row))
-            done.append(finished)
-        return StepResult(observations=observations, done=done, info=info)
+        return step_turns("relay", self._rows, actions, self.max_turns, self._act, self._observation)
+
+    def _act(self, row: _Row, action: str) -> dict[str, dict[str, Any]]:
+        return {self.agent_for(row.turn): self._apply(row, action)}
 
     def _apply(self, row: _Row, action: str) -> dict[str, Any]:
         """Record one agent's action on its row; return what the environment made of it."""

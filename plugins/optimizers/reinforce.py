@@ -76,6 +76,9 @@ class Reinforce(Algorithm):
         self.agents: dict[str, int] = {}  # agent id -> segment of the running statistics
         self.moments: RunningMoments | None = None
         self.buffer: deque[Experience] = deque(maxlen=max(1, self.options.replay_capacity))
+        # Set by the trainer under torchrun (palestra.distributed.DistributedContext): the running statistics are
+        # then merged over ranks every step, so every rank normalises with the global batch's statistics.
+        self.distributed: Any = None
 
     # ---- advantages -------------------------------------------------------------------------------------
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
@@ -105,7 +108,19 @@ class Reinforce(Algorithm):
 
         o = self.options
         r = batch.rewards.float()
-        if o.normalize:
+        dist = self.distributed if self.distributed is not None and self.distributed.enabled else None
+        if o.normalize and dist is not None:
+            # Every rank registers every rank's agents in one order, folds its rows into the statistics, merges
+            # the ranks' new moments (exact Chan merge, identical on every rank), then normalises with them:
+            # what one process would do with the global batch.
+            for part in dist.all_gather_object(list(dict.fromkeys(batch.agent_ids))):
+                self.segment_ids(part, r.device)
+            seg = self.segment_ids(batch.agent_ids, r.device)
+            assert self.moments is not None
+            self.moments.update(r, seg)
+            dist.merge_moments(self.moments)
+            r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip, update=False)
+        elif o.normalize:
             seg = self.segment_ids(batch.agent_ids, r.device)
             r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip)
         if o.baseline == "batch":

@@ -185,6 +185,14 @@ class TinyTransformerPolicy(CausalLMPolicy):
     def output_head(self) -> nn.Module:
         return self.lm_head
 
+    def set_gradient_checkpointing(self, on: bool) -> None:
+        """Per-block recomputation in training-mode forwards with gradients (``options.gradient_checkpointing``)."""
+        self.options.gradient_checkpointing = bool(on)
+
+    def layer_groups(self) -> dict[str, list[str]]:
+        decoder = ["norm", "lm_head"] + (["value_head"] if self.value_head is not None else [])
+        return {"embedding": ["embed"], "encoder": ["blocks"], "decoder": decoder}
+
     def trunk(
         self,
         input_ids: torch.Tensor,

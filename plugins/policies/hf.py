@@ -267,6 +267,17 @@ def _policy_class() -> type:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
         # -- CausalLMPolicy --
+        def set_gradient_checkpointing(self, on: bool) -> None:
+            """transformers' own switch (``train.gradient_checkpointing`` or ``policy.options.gradient_checkpointing``)."""
+            if on:
+                self._enable_checkpointing(self.model, self.options.path)
+            elif hasattr(self.model, "activation_checkpointing_disable"):  # transformers >= 5.x name
+                if self.model.is_activation_checkpointing:
+                    self.model.activation_checkpointing_disable()
+            elif self.model.is_gradient_checkpointing:
+                self.model.gradient_checkpointing_disable()
+            self.options.gradient_checkpointing = bool(on)
+
         def trunk(
             self,
             input_ids: torch.Tensor,
@@ -288,6 +299,18 @@ def _policy_class() -> type:
 
         def output_head(self) -> torch.nn.Module:
             return self.model.get_output_embeddings()
+
+        def layer_groups(self) -> dict[str, list[str]]:
+            """embedding: the input embeddings; decoder: the decoder's final norm, the output head (and value
+            head); encoder: every other child of the decoder (the layers, rotary tables, ...)."""
+            names = {id(m): n for n, m in self.named_modules(remove_duplicate=False) if n.startswith("model.")}
+            embed = self.model.get_input_embeddings()
+            final_norm = next((getattr(self._decoder, a) for a in ("norm", "final_layernorm", "ln_f")
+                               if isinstance(getattr(self._decoder, a, None), torch.nn.Module)), None)
+            decoder = [names[id(m)] for m in (final_norm, self.model.get_output_embeddings()) if m is not None]
+            decoder += ["value_head"] if self.value_head is not None else []
+            encoder = [names[id(m)] for m in self._decoder.children() if m is not embed and m is not final_norm]
+            return {"embedding": [names[id(embed)]], "encoder": encoder, "decoder": decoder}
 
         @property
         def hidden_size(self) -> int:

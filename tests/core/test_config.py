@@ -251,7 +251,7 @@ def test_unknown_component_name_suggests_the_closest() -> None:
         ("reward.options.layers[1].options.tolerance=-1", "reward.options.layers[1].options.tolerance: must be >= 0, got -1.0"),
         ("reward.options.layers[1].options.mode=fuzzy", "reward.options.layers[1].options.mode: expected one of 'auto', 'numeric', 'text'"),
         ("reward.options.layers[1].options=[1]", "reward.options.layers[1].options: expected a mapping of options for reward 'correctness'"),
-        ("reward.options.layers[1].name=", "reward.options.layers[1].name: is empty; name a registered reward (correctness, format,"),
+        ("reward.options.layers[1].name=", "reward.options.layers[1].name: is empty; name a registered reward (correctness, factual, fluency, format,"),
         ("reward.options.layers[1].name=[x]", "reward.options.layers[1].name: expected a string, got ['x']"),
     ],
 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import plugin_installs
@@ -19,22 +18,18 @@ import torch
 import yaml
 from palestra import cli
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp"]
+MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.commands.train.summary).
 SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two threads on a busy two-core machine are far slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(args: list[str], cwd: Path, sites: list[Path] = ()) -> subprocess.CompletedProcess[str]:
@@ -144,7 +139,7 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: 
 
 # ---- the example configs --------------------------------------------------------------------------------------
 def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
-    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, "hf_local"])
+    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, "hf_local"])
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -164,6 +159,11 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         assert shown["optimizer"]["name"] == path.stem
         assert shown["environment"]["name"] == "arithmetic" and shown["policy"]["name"] == "tiny"
         assert [layer["name"] for layer in shown["reward"]["options"]["layers"]] == ["format", "correctness"]
+    elif path.stem in MULTI_AGENT_EXAMPLES:
+        assert shown["environment"]["name"] == "customer_service" and shown["optimizer"]["name"] == "mappo"
+        assert shown["agents"] == {**written["agents"], **{k: v for k, v in shown["agents"].items() if k not in written["agents"]}}
+        weights = {c["name"]: c["weight"] for c in shown["reward"]["options"]["components"]}
+        assert weights == {"fluency": 0.4, "factual": 0.4, "politeness": 0.2}
     else:
         assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "./path/to/local/model"
         assert shown["policy"]["options"]["chat_template"] in ("auto", "on")

@@ -25,6 +25,8 @@ from palestra.rollout import Rollout, collect
 from palestra.trainer import Trainer, derive_seed
 from palestra.types import Message, Observation, SamplingParams, StepResult
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 # A small tiny-transformer: learns the answer format in a few dozen steps, a step takes ~25 ms on one thread.
@@ -72,13 +74,6 @@ def make_config(*, seed: int = 0, algorithm: str = "grpo", train: dict[str, Any]
     return validate_config(raw)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two threads on a busy two-core machine are far slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mean(values: list[float]) -> float:

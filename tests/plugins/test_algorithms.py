@@ -263,14 +263,20 @@ def test_the_update_ratio_can_be_switched_off_and_the_step_is_the_same():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_non_finite_loss_is_one_line_error():
+def test_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     policy = ToyPolicy()
     algo = build("grpo")
     algo.setup(policy, train_config())
     batch = algo.prepare(shifted_batch(policy))
     batch.advantages[2] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"^grpo.update: non-finite loss \(nan\) in pass 0, micro-batch 0 \(6 rows\)$"):
-        algo.update(policy, batch)
+    before = [p.detach().clone() for p in policy.parameters()]
+    with caplog.at_level("WARNING", logger="palestra.algorithm"):
+        metrics = algo.update(policy, batch)
+    assert metrics["train/skipped"] == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
+    assert [r.getMessage() for r in caplog.records] == [
+        "grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch 0 (6 rows)"
+    ]
 
 
 def test_update_needs_setup_and_the_same_policy():

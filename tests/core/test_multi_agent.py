@@ -1,0 +1,239 @@
+"""Multi-agent policies (palestra.multi_agent): parameter sharing by layer group, routing, update_frequency.
+
+Everything runs on the real tiny policy and the real customer_service environment (no stand-ins).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from palestra.config import AgentsConfig, ConfigError, load_config
+from palestra.multi_agent import MultiAgentPolicy, wrap_policy
+from palestra.plugin_manager import get_registry
+from palestra.plugins.envs.customer_service import (
+    CustomerServiceEnv,
+    tiny_policy_options,
+)
+from palestra.plugins.policies.tiny import TinyTransformerPolicy
+from palestra.rollout import collect, generate_by_agent
+from palestra.trainer import Trainer
+from palestra.types import Observation, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "customer_service_mappo.yaml")
+AGENTS = ("intent", "retrieval", "response")
+SMALL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "max_len": 128}
+
+
+
+
+def tiny(seed: int = 0, **extra) -> TinyTransformerPolicy:
+    return TinyTransformerPolicy(**{**tiny_policy_options(), **SMALL, "seed": seed, **extra})
+
+
+def sharing(shared: list[str], independent: list[str], **kw) -> AgentsConfig:
+    return AgentsConfig(shared_layers=shared, independent_layers=independent, **kw)
+
+
+def params_of(view: torch.nn.Module, prefix: str) -> list[torch.nn.Parameter]:
+    return [p for n, p in view.named_parameters(remove_duplicate=False) if n == prefix or n.startswith(prefix + ".")]
+
+
+GROUP_PREFIXES = {"embedding": ["embed"], "encoder": ["blocks"], "decoder": ["norm", "lm_head"]}
+LAYOUTS = [
+    (["embedding", "encoder"], ["decoder"]),  # the issue's example
+    (["embedding", "encoder", "decoder"], []),  # all shared
+    ([], ["embedding", "encoder", "decoder"]),  # all separate
+    (["decoder"], ["embedding", "encoder"]),
+]
+
+
+# ---- layouts -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("shared", "independent"), LAYOUTS)
+def test_shared_groups_are_one_tensor_and_independent_groups_are_per_agent_copies(shared, independent) -> None:
+    policy = MultiAgentPolicy(tiny(), sharing(shared, independent), AGENTS)
+    views = [policy.for_agent(a) for a in AGENTS]
+    assert views[0] is not views[1] and views[1] is not views[2]
+    for group, prefixes in GROUP_PREFIXES.items():
+        for prefix in prefixes:
+            tensors = [params_of(v, prefix) for v in views]
+            for a, b in zip(tensors[0], tensors[1]):
+                if group in shared:
+                    assert a is b, f"{prefix} should be one tensor for every agent"
+                else:
+                    assert a is not b and torch.equal(a, b), f"{prefix}: per-agent copies, initialised identical"
+    groups = policy.parameter_groups()
+    assert set(groups) == ({"shared"} if shared else set()) | (set(AGENTS) if independent else set())
+    flat = [id(p) for ps in groups.values() for p in ps]
+    assert len(flat) == len(set(flat)) == len(list(policy.parameters())), "every parameter in exactly one group"
+    n_shared = sum(p.numel() for p in groups.get("shared", []))
+    n_own = sum(p.numel() for p in groups.get("intent", []))
+    assert sum(p.numel() for p in policy.parameters()) == n_shared + len(AGENTS) * n_own
+
+
+def test_tied_embedding_is_untied_only_when_embedding_and_decoder_differ_in_sharing() -> None:
+    split = MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["decoder"]), AGENTS)
+    assert split.untied == ["lm_head.weight"]
+    for a in AGENTS:
+        v = split.for_agent(a)
+        assert v.lm_head.weight is not v.embed.weight and torch.equal(v.lm_head.weight, v.embed.weight)
+    assert split.for_agent("intent").embed.weight is split.for_agent("response").embed.weight
+    assert split.for_agent("intent").lm_head.weight is not split.for_agent("response").lm_head.weight
+    same = MultiAgentPolicy(tiny(), sharing(["embedding", "encoder", "decoder"], []), AGENTS)
+    assert same.untied == [] and same.for_agent("response").lm_head.weight is same.for_agent("intent").embed.weight
+    separate = MultiAgentPolicy(tiny(), sharing([], ["embedding", "encoder", "decoder"]), AGENTS)
+    assert separate.untied == []
+    for a in AGENTS:  # still tied within each agent's own copy
+        assert separate.for_agent(a).lm_head.weight is separate.for_agent(a).embed.weight
+
+
+# ---- bad configs ----------------------------------------------------------------------------------------------
+def test_unknown_layer_name_is_an_error_naming_it_with_its_key_path_and_the_valid_names() -> None:
+    with pytest.raises(ConfigError) as e:
+        MultiAgentPolicy(tiny(), sharing(["embedding", "encodr"], ["decoder"]), AGENTS)
+    assert str(e.value) == (
+        "agents.shared_layers[1]: unknown layer group 'encodr'; the policy's layer groups are embedding, encoder, decoder"
+    )
+    with pytest.raises(ConfigError, match=r"^agents\.independent_layers\[0\]: unknown layer group 'head'"):
+        MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["head"]), AGENTS)
+
+
+def test_a_group_in_both_lists_or_in_neither_is_a_one_line_error() -> None:
+    with pytest.raises(ConfigError, match=r"^agents: layer group\(s\) decoder are in both shared_layers and independent_layers$"):
+        MultiAgentPolicy(tiny(), sharing(["embedding", "encoder", "decoder"], ["decoder"]), AGENTS)
+    with pytest.raises(ConfigError, match=r"^agents: layer group\(s\) encoder are in neither") as e:
+        MultiAgentPolicy(tiny(), sharing(["embedding"], ["decoder"]), AGENTS)
+    assert "\n" not in str(e.value)
+
+
+def test_the_trainer_reports_a_bad_layer_name_from_the_config_before_training(tmp_path) -> None:
+    config = load_config(EXAMPLE, ["agents.shared_layers=[embedding, encoderr]", "loggers=[]"])
+    with pytest.raises(ConfigError, match=r"^agents\.shared_layers\[1\]: unknown layer group 'encoderr'"):
+        Trainer(config, run_dir=tmp_path)
+
+
+def test_an_optimizer_that_cannot_route_rows_is_refused_for_independent_layers() -> None:
+    class Plain:  # a third-party optimiser that calls policy.score without agent ids
+        name = "plain"
+
+    with pytest.raises(ConfigError, match=r"^agents\.independent_layers: optimizer 'plain' scores rows without agent ids"):
+        wrap_policy(tiny(), sharing(["embedding", "encoder"], ["decoder"]), CustomerServiceEnv(), Plain())
+    every = wrap_policy(tiny(), sharing(["embedding", "encoder", "decoder"], []), CustomerServiceEnv(), Plain())
+    assert isinstance(every, MultiAgentPolicy)  # all shared: any view scores every row alike
+
+
+def test_the_built_in_optimisers_train_each_agents_own_layers(tmp_path) -> None:
+    # GRPO (the Algorithm base) routes every row to its agent's parameters: each agent's own decoder moves.
+    config = load_config(EXAMPLE, ["optimizer.name=grpo", "optimizer.options={}", "loggers=[]", "train.steps=1",
+                                   "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"])
+    trainer = Trainer(config, run_dir=tmp_path)
+    heads = {a: [p.detach().clone() for p in trainer.policy.for_agent(a).output_head().parameters()] for a in AGENTS}
+    trainer.train_step()
+    for a in AGENTS:
+        after = list(trainer.policy.for_agent(a).output_head().parameters())
+        assert any(not torch.equal(x, y) for x, y in zip(heads[a], after)), a
+
+
+# ---- routing ----------------------------------------------------------------------------------------------------
+def diverged(seed: int = 0) -> MultiAgentPolicy:
+    """Independent decoders made different, so that routing to the wrong agent would show."""
+    policy = MultiAgentPolicy(tiny(seed), sharing(["embedding", "encoder"], ["decoder"]), AGENTS)
+    with torch.no_grad():
+        for i, a in enumerate(AGENTS):
+            policy.for_agent(a).lm_head.weight.add_(torch.randn_like(policy.for_agent(a).lm_head.weight) * (i + 1))
+    return policy
+
+
+def test_score_routes_each_row_to_its_agents_parameters() -> None:
+    policy = diverged()
+    env = CustomerServiceEnv()
+    obs = env.reset(3, seed=1)
+    ids, mask = policy.encode_observations(obs)
+    completion = torch.randint(3, 40, (3, 4))
+    cmask = torch.ones(3, 4, dtype=torch.bool)
+    agents = ["response", "intent", "response"]
+    got = policy.score(ids, mask, completion, cmask, agent_ids=agents)
+    for row, a in enumerate(agents):
+        want = policy.for_agent(a).score(ids[row : row + 1], mask[row : row + 1], completion[row : row + 1], cmask[row : row + 1])
+        torch.testing.assert_close(got.logprobs[row], want.logprobs[0])
+        torch.testing.assert_close(got.entropy[row], want.entropy[0])
+    with pytest.raises(ValueError, match="pass agent_ids"):
+        policy.score(ids, mask, completion, cmask)
+
+
+def test_generation_of_mixed_agent_rows_matches_each_agents_own_generation() -> None:
+    policy = diverged()
+    backend = get_registry().get("generator", "kv_cache").factory()
+    base = CustomerServiceEnv().reset(4, seed=3)
+    obs = [Observation(prompt=o.prompt, agent_id=a, stop=o.stop) for o, a in zip(base, ["response", "intent", "response", "retrieval"])]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    mixed = generate_by_agent(backend, policy, obs, greedy)
+    for i, o in enumerate(obs):
+        alone = backend.generate(policy.for_agent(o.agent_id), [o], greedy)
+        assert mixed.texts[i] == alone.texts[0]
+        n = int(alone.completion_mask.sum())
+        assert torch.equal(mixed.completion_ids[i, :n], alone.completion_ids[0, :n])
+        torch.testing.assert_close(mixed.logprobs[i, :n], alone.logprobs[0, :n])
+    assert len({mixed.texts[0], mixed.texts[1], mixed.texts[3]}) > 1  # the decoders differ, so the agents answer differently
+
+
+# ---- update_frequency -----------------------------------------------------------------------------------------------
+def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overrides: str):
+    torch.manual_seed(0)
+    policy = MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["decoder"], update_frequency=update_frequency), AGENTS)
+    algo = get_registry().get("optimizer", "mappo").factory(per_agent_optimizer=per_agent_optimizer)
+    config = load_config(EXAMPLE, ["train.lr=0.01", "train.max_new_tokens=4", "train.track_update_ratio=false", *overrides])
+    algo.setup(policy, config.train)
+    env = CustomerServiceEnv()
+    reward = get_registry().get("reward", "fluency").factory()
+    return policy, algo, env, reward
+
+
+def one_update(policy, algo, env, reward, step: int) -> dict[str, float]:
+    ro = collect(env, policy, get_registry().get("generator", "kv_cache").factory(), SamplingParams(max_new_tokens=4), 4,
+                 seed=step, rng=torch.Generator().manual_seed(step))
+    scores = reward(*ro.reward_rows())
+    batch = algo.prepare(ro.experience(scores, pad_token_id=policy.tokenizer.pad_token_id))
+    return algo.update(policy, batch)
+
+
+@pytest.mark.parametrize("per_agent_optimizer", [True, False])
+def test_shared_layers_step_every_update_frequency_updates_and_independent_ones_every_update(per_agent_optimizer) -> None:
+    policy, algo, env, reward = mappo_setup(3, per_agent_optimizer)
+    shared = policy.shared_parameters()
+    own = policy.agent_parameters("response")
+    stepped = []
+    for step in range(6):
+        before_shared = [p.detach().clone() for p in shared]
+        before_own = [p.detach().clone() for p in own]
+        metrics = one_update(policy, algo, env, reward, step)
+        moved = any(not torch.equal(a, p) for a, p in zip(before_shared, shared))
+        stepped.append(moved)
+        assert metrics["shared/stepped"] == float(moved)
+        assert any(not torch.equal(a, p) for a, p in zip(before_own, own)), f"update {step}: the response decoder must step"
+    assert stepped == [False, False, True, False, False, True]
+
+
+def test_update_frequency_steps_with_the_mean_of_the_windows_gradients() -> None:
+    """With plain SGD semantics checked through AdamW's first step: the accumulated buffer holds the sum, the step
+    uses sum / N, so the shared layers' first step equals one taken on the averaged gradient."""
+    policy, algo, env, reward = mappo_setup(2, True, "train.max_grad_norm=null")
+    shared = policy.shared_parameters()
+    one_update(policy, algo, env, reward, 0)
+    assert algo.pending == 1 and any(float(a.abs().sum()) > 0 for a in algo.shared_accum)
+    window = [a.clone() for a in algo.shared_accum]
+    twin = copy.deepcopy((policy, algo))
+    one_update(policy, algo, env, reward, 1)
+    assert algo.pending == 0 and all(float(a.abs().sum()) == 0 for a in algo.shared_accum)
+    # The twin recomputes update 1's gradient: the mean of the window is what the shared step saw.
+    t_policy, t_algo = twin
+    t_algo.update_frequency = 10**9  # accumulate only
+    one_update(t_policy, t_algo, env, reward, 1)
+    mean = [a / 2 for a in t_algo.shared_accum]  # (update 0's gradient + update 1's) / 2
+    assert not torch.equal(mean[0], window[0] / 2), "two different gradients in the window"
+    state = algo.optimizers["shared"].state[shared[0]]
+    torch.testing.assert_close(state["exp_avg"], (1 - 0.9) * mean[0])  # AdamW's first moment after one step
