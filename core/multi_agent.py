@@ -260,5 +260,11 @@ def wrap_policy(policy: Any, agents: AgentsConfig | None, env: Any, algorithm: A
             "scores rows without agent ids, so it cannot train per-agent layers; use optimizer.name: mappo "
             "or put every layer group in agents.shared_layers"
         )
+    if agents.update_frequency > 1 and algorithm is not None and not getattr(algorithm, "shared_update_window", False):
+        raise ConfigError(
+            f"{_KEY_PATH}.update_frequency: optimizer {getattr(algorithm, 'name', type(algorithm).__name__)!r} steps "
+            f"every parameter every update, so update_frequency={agents.update_frequency} would be ignored; "
+            "use optimizer.name: mappo or update_frequency: 1"
+        )
     agent_ids = tuple(getattr(env, "agent_ids", ()) or ())
     return MultiAgentPolicy(policy, agents, agent_ids)

@@ -101,6 +101,8 @@ class MAPPO(Algorithm):
         self.explained_var: dict[str, float] = {}
 
     # ---- set-up -------------------------------------------------------------------------------------------
+    shared_update_window = True  # honours agents.update_frequency (palestra.multi_agent.wrap_policy checks this)
+
     def setup(self, policy: Any, train: Any, *, reference: Any = None) -> None:
         import torch
 
@@ -110,6 +112,11 @@ class MAPPO(Algorithm):
         o = self.options
         if getattr(train, "offload_optimizer", False):
             raise ConfigError("train.offload_optimizer: the mappo optimizer keeps its optimisers on the training device; set it to false")
+        if getattr(train, "precision", "fp32") == "fp16":
+            raise ConfigError("train.precision: mappo has no fp16 loss scaler (its optimisers are per agent); use bf16 or fp32")
+        for key in ("token_budget", "auto_micro_batch"):
+            if getattr(train, key, None):
+                raise ConfigError(f"train.{key}: mappo splits each update into train.grad_accum micro-batches; unset {key}")
         agents = getattr(policy, "agent_ids", None)
         if agents:
             self._register(list(agents))
@@ -276,9 +283,9 @@ class MAPPO(Algorithm):
                 micro = rows.select(chunk)
                 loss, micro_metrics, stats = self.loss(policy, micro, row_weight[chunk.to(row_weight.device)])
                 value = float(loss.detach())
+                # A non-finite loss still goes backward: its NaN gradients reach every rank through grad_sync, so
+                # all ranks skip this pass together instead of one leaving the collective.
                 finite = finite and math.isfinite(value)
-                if not finite:
-                    break
                 loss.backward()
                 share = float(micro.completion_mask.sum()) / max(1.0, float(tokens.sum()))
                 metrics["loss"] += value
@@ -290,7 +297,7 @@ class MAPPO(Algorithm):
                     for a, v in zip(self.agents, per_agent.tolist()):
                         sums[a][name] += v / passes
             sync = getattr(self, "grad_sync", None)
-            if finite and sync is not None:
+            if sync is not None:
                 sync(policy_params + critic_params)
             max_norm = self.train.max_grad_norm if self.train.max_grad_norm is not None else math.inf
             norms = per_agent_clip_grad_norm(own, max_norm) if own else {}

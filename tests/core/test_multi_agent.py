@@ -126,6 +126,15 @@ def test_an_optimizer_that_cannot_route_rows_is_refused_for_independent_layers()
     assert isinstance(every, MultiAgentPolicy)  # all shared: any view scores every row alike
 
 
+def test_update_frequency_needs_an_optimiser_that_honours_it() -> None:
+    grpo = get_registry().get("optimizer", "grpo").factory()
+    windowed = AgentsConfig(shared_layers=["embedding", "encoder"], independent_layers=["decoder"], update_frequency=10)
+    with pytest.raises(ConfigError, match=r"^agents\.update_frequency: optimizer 'grpo' steps every parameter every update"):
+        wrap_policy(tiny(), windowed, CustomerServiceEnv(), grpo)
+    mappo = get_registry().get("optimizer", "mappo").factory()
+    assert isinstance(wrap_policy(tiny(), windowed, CustomerServiceEnv(), mappo), MultiAgentPolicy)
+
+
 def test_the_built_in_optimisers_train_each_agents_own_layers(tmp_path) -> None:
     # GRPO (the Algorithm base) routes every row to its agent's parameters: each agent's own decoder moves.
     config = load_config(EXAMPLE, ["optimizer.name=grpo", "optimizer.options={}", "loggers=[]", "train.steps=1",

@@ -119,6 +119,18 @@ def test_each_agent_is_clipped_on_its_own() -> None:
         assert p.grad is None  # ... and gradients are cleared after the step
 
 
+def test_a_non_finite_loss_skips_the_update_and_leaves_every_parameter_alone() -> None:
+    policy, algo = build()
+    exp = algo.prepare(rollout(policy, algo, 0)[0])
+    exp.advantages = exp.advantages.clone()
+    exp.advantages[0] = float("nan")
+    before = [p.detach().clone() for p in [*policy.parameters(), *algo.critic.parameters()]]
+    metrics = algo.update(policy, exp)
+    assert metrics["train/skipped"] == 1.0
+    after = [*policy.parameters(), *algo.critic.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 # ---- normalisation ------------------------------------------------------------------------------------------------
 def test_reward_and_value_normalisation_keep_per_agent_statistics() -> None:
     from palestra.kernels import RunningMoments, normalize_rewards
