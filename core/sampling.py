@@ -2,8 +2,8 @@
 
 Works with any :class:`palestra.policy.CausalLMPolicy`: the prompt is prefilled with one
 ``policy.decode_step`` call, then every step feeds one token per row and reuses the cache. Rows end on
-the tokenizer's EOS, on ``params.stop_token_ids``, on a stop string, or at ``params.max_new_tokens``;
-finished rows are fed padding (masked out) until every row is done, which ends the loop early.
+the tokenizer's EOS, on ``params.stop_token_ids``, on a stop string, or at their length limit:
+``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed padding (masked out) until every row is done, which ends the loop early.
 
 The result follows the completion conventions of :class:`palestra.types.Generation`:
 
@@ -124,12 +124,15 @@ def sample(
     params: SamplingParams,
     *,
     stops: Sequence[Sequence[str] | None] | None = None,
+    max_new_tokens: Sequence[int | None] | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
     """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
 
-    ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``generator`` seeds the draws (same
-    seed, same completions); None uses torch's global RNG. See the module docstring for the result.
+    ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``max_new_tokens[i]`` caps row ``i`` at
+    ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
+    ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
+    draws (same seed, same completions); None uses torch's global RNG. See the module docstring for the result.
     """
     check_params(params)
     if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.int64:
@@ -148,6 +151,15 @@ def sample(
     if stops is not None and len(stops) != b:
         raise ValueError(f"stops: expected one list per row ({b}), got {len(stops)}")
     n = params.max_new_tokens
+    caps: list[int] | None = None
+    if max_new_tokens is not None:
+        if len(max_new_tokens) != b:
+            raise ValueError(f"max_new_tokens: expected one cap (or None) per row ({b}), got {len(max_new_tokens)}")
+        for i, c in enumerate(max_new_tokens):
+            if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+                raise ValueError(f"max_new_tokens[{i}]: expected an integer >= 0 or None, got {c!r}")
+        caps = [n if c is None else min(n, c) for c in max_new_tokens]
+        n = max(caps)  # no row runs longer
     limit = getattr(policy, "max_len", None)
     if isinstance(limit, int) and p + n > limit:
         raise ValueError(
@@ -175,6 +187,9 @@ def sample(
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         next_position = positions[:, -1:] + 1
         done = torch.zeros(b, dtype=torch.bool, device=device)
+        cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
+        if cap_t is not None:
+            done = cap_t == 0  # rows capped at 0 tokens sample nothing
         logits, cache = policy.decode_step(prompt_ids, mask, positions, None)
         for t in range(n):
             token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
@@ -189,6 +204,8 @@ def sample(
                 hits = watch.update(token.tolist(), done.tolist())
                 if hits:
                     done[hits] = True
+            if cap_t is not None:
+                done = done | (cap_t <= t + 1)  # rows at their own cap: truncated like at max_new_tokens
             if t == n - 1 or bool(done.all()):
                 break
             mask = torch.cat((mask, (~done)[:, None]), dim=1)  # finished rows' new tokens are padding
@@ -224,12 +241,20 @@ def generate(
     generator: torch.Generator | None = None,
 ) -> Generation:
     """Encode ``observations`` with ``policy.encode_observations`` and :func:`sample` one completion for each,
-    with each observation's ``stop`` strings added to ``params.stop``."""
+    with each observation's ``stop`` strings added to ``params.stop`` and its ``max_new_tokens`` (when set)
+    capping its row below ``params.max_new_tokens``."""
     if not observations:
         raise ValueError("generate: observations is empty")
+    caps = [o.max_new_tokens for o in observations]
+    for i, c in enumerate(caps):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(f"observations[{i}].max_new_tokens: expected an integer >= 0 or None, got {c!r}")
     prompt_ids, prompt_mask = policy.encode_observations(observations)
     stops = [list(o.stop or []) for o in observations]
-    return sample(policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None, generator=generator)
+    return sample(
+        policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None,
+        max_new_tokens=caps if any(c is not None for c in caps) else None, generator=generator,
+    )
 
 
 __all__ = ["check_params", "generate", "pick_tokens", "sample"]

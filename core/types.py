@@ -59,6 +59,10 @@ class Observation:
     environment sets it, is the exact prompt to feed the policy (skipping its tokenizer).
     ``metadata`` is the episode's dictionary handed to rewards (ground truth, the task's parameters);
     treat it as read-only. ``stop`` lists extra stop strings for this turn.
+
+    ``max_new_tokens`` is the environment's cap on this turn's completion (e.g. one token for a label);
+    None leaves the trainer's limit. The effective limit is ``min(train.max_new_tokens, obs.max_new_tokens)``;
+    a row that reaches it ends like any length-truncated completion (its tokens so far kept, no EOS).
     """
 
     prompt: str
@@ -68,6 +72,7 @@ class Observation:
     metadata: dict[str, Any] = field(default_factory=dict)
     stop: list[str] | None = None
     turn: int = 0  # 0-based index of this turn within its episode
+    max_new_tokens: int | None = None  # this turn's cap (min with train.max_new_tokens); None: no extra cap
 
 
 @dataclass

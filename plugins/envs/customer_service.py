@@ -18,12 +18,20 @@ output) for a centralised critic. Episode metadata holds the ground truth for th
 ``other_values``, ``labels``); each turn's info says what the environment parsed (``intent``/``correct``,
 ``ids``/``candidates``/``f1``, the facts shown). Every turn stops at a newline.
 
+Each observation also caps its turn's length (``Observation.max_new_tokens``; the effective limit is the
+smaller of it and ``train.max_new_tokens``): ``label_tokens`` (default 1) for the intent and retrieval turns,
+whose answer is one atom of the recommended tokenizer (an intent label, an entry id such as ``K7``), and
+``reply_tokens`` (default None: the trainer's limit) for the reply. A policy that has not learnt to end a
+turn with the newline still hands over a label of one token, not a run of them; ``label_tokens: null`` leaves
+those turns to the trainer's limit too (several ids, or words around the label, then fit).
+
 Prompts are short and made only of knowledge-base words, so a word-level tokenizer reads them in few
 tokens. The built-in tiny policy gets one from :func:`tiny_policy_options` (every word and phrase an atom,
 digits and punctuation as characters): ``python -m palestra.plugins.envs.customer_service`` prints the
 ``policy.options`` block to paste into a config. Recommended for learning on 2 CPU cores in minutes:
 ``{d_model: 64, n_layers: 2, n_heads: 4, d_ff: 256, max_len: 128}`` plus those tokenizer options,
-``train.max_new_tokens: 16`` and ``temperature: 1.0``.
+``temperature: 1.0`` and a short reply (``train.max_new_tokens`` or ``reply_tokens`` around 8; see
+``examples/customer_service_mappo.yaml``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ class CustomerServiceOptions:
     candidate_source: Literal["predicted", "mixed"] = "predicted"  # predicted: the predicted intent's entries; mixed: gold + any
     paraphrases: int = option(3, ge=1, le=3)  # query wordings per entry (1: one fixed question per entry)
     kb_seed: int = 0  # draws the entry ids and fact values: the same seed, the same knowledge base
+    label_tokens: int | None = option(1, ge=1)  # the intent and retrieval turns' token cap; None: train.max_new_tokens
+    reply_tokens: int | None = option(None, ge=1)  # the response turn's token cap; None: train.max_new_tokens
 
     def __post_init__(self) -> None:
         total = self.intents * self.topics_per_intent
@@ -170,6 +180,7 @@ class CustomerServiceEnv:
             metadata={**self.metadata(task), "state": state},
             stop=[STOP],
             turn=turn,
+            max_new_tokens=self.options.reply_tokens if turn == 2 else self.options.label_tokens,
         )
 
     # ---- protocol --------------------------------------------------------------------------------------

@@ -195,7 +195,8 @@ def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overri
     torch.manual_seed(0)
     policy = MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["decoder"], update_frequency=update_frequency), AGENTS)
     algo = get_registry().get("optimizer", "mappo").factory(per_agent_optimizer=per_agent_optimizer)
-    config = load_config(EXAMPLE, ["train.lr=0.01", "train.max_new_tokens=4", "train.track_update_ratio=false", *overrides])
+    config = load_config(EXAMPLE, ["train.lr=0.01", "train.max_new_tokens=4", "train.track_update_ratio=false",
+                                    "train.updates_per_batch=1", *overrides])  # one update() call = one window slot
     algo.setup(policy, config.train)
     env = CustomerServiceEnv()
     reward = get_registry().get("reward", "fluency").factory()

@@ -87,6 +87,7 @@ def test_episodes_pass_state_and_record_what_was_parsed() -> None:
     e = env()
     obs = e.reset(3, seed=1, group_size=2)
     assert [o.agent_id for o in obs] == ["intent"] * 6 and all(o.stop == ["\n"] for o in obs)
+    assert all(o.max_new_tokens == 1 for o in obs)  # label_tokens: one atom for the label
     for g in range(3):
         assert obs[2 * g].prompt == obs[2 * g + 1].prompt and obs[2 * g].metadata == obs[2 * g + 1].metadata
     m = obs[0].metadata
@@ -100,6 +101,7 @@ def test_episodes_pass_state_and_record_what_was_parsed() -> None:
     assert o1.metadata["state"] == f"Q: {m['query']}\nintent: {m['intent']}"
     cands = [line.split()[0] for line in o1.prompt.split("\n")[2:-1]]
     assert len(cands) == 3 and m["gold_ids"][0] in cands and o1.prompt.endswith("\nentry:")
+    assert o1.max_new_tokens == 1
 
     res = e.step(oracle(res.observations))
     info = res.info[0]["retrieval"]
@@ -107,6 +109,7 @@ def test_episodes_pass_state_and_record_what_was_parsed() -> None:
     o2 = res.observations[0]
     assert o2.agent_id == "response" and f"fact: {m['gold_fact']}" in o2.prompt
     assert o2.metadata["state"].endswith(f"\nentry: {m['gold_ids'][0]}")
+    assert o2.max_new_tokens is None  # reply_tokens: the trainer's limit
 
     res = e.step(oracle(res.observations))
     assert res.done == [True] * 6 and res.observations == [None] * 6
@@ -192,6 +195,18 @@ def test_options_are_checked() -> None:
         env(intents=2, topics_per_intent=2, candidates=5)
     with pytest.raises(ConfigError, match=r"^environment.options.intents"):
         env(intents=9)
+    for name in ("label_tokens", "reply_tokens"):
+        with pytest.raises(ConfigError, match=rf"^environment.options.{name}"):
+            env(**{name: 0})
+
+
+def test_turn_caps_follow_the_options() -> None:
+    def caps(e: Any) -> list[int | None]:
+        return [t.observation.max_new_tokens for ep in run_episodes(e, oracle, 2, seed=0) for t in ep.turns]
+
+    assert caps(env()) == [1, 1, None] * 2
+    assert caps(env(label_tokens=None, reply_tokens=6)) == [None, None, 6] * 2
+    assert caps(env(label_tokens=2, reply_tokens=9)) == [2, 2, 9] * 2
 
 
 def test_tiny_policy_reads_every_prompt_and_plays_through_collect() -> None:
@@ -205,9 +220,13 @@ def test_tiny_policy_reads_every_prompt_and_plays_through_collect() -> None:
             assert tok.unk_token_id not in ids and tok.decode(ids) == t.observation.prompt and len(ids) < 64
             assert tok.decode(tok.encode(t.completion)) == t.completion
     policy = TinyTransformerPolicy(**tiny_policy_options(d_model=32, d_ff=64, seed=0))
-    ro = collect(env(), policy, KVCacheGenerator(), SamplingParams(max_new_tokens=12), 4, group_size=2, seed=3,
-                 rng=torch.Generator().manual_seed(0))
+    ro = collect(env(reply_tokens=5), policy, KVCacheGenerator(), SamplingParams(max_new_tokens=12), 4, group_size=2,
+                 seed=3, rng=torch.Generator().manual_seed(0))
     assert [[t.agent_id for t in ep.turns] for ep in ro.episodes] == [list(ROLES)] * 8
+    # The turn caps hold: one token for the label and the entry id, at most 5 for the reply.
+    lengths = [g.completion_mask.sum(-1).tolist() for g in ro.generations]
+    assert [max(n) for n in lengths] == [1, 1, 5] and min(lengths[0]) == 1
+    assert all(len(tok.encode(t.completion)) <= 1 for ep in ro.episodes for t in ep.turns[:2])
     out = reward(JOINT)(*ro.reward_rows())
     assert ((out.scores >= 0) & (out.scores <= 1)).all() and torch.isfinite(out.scores).all()
     batch = ro.experience(out.scores, out.components)

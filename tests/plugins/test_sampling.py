@@ -27,8 +27,12 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def check_conventions(gen: Generation, policy: TinyTransformerPolicy, params: SamplingParams, stops=None) -> list[str]:
-    """Every completion convention of GYM.md, row by row; returns how each row ended."""
+def check_conventions(
+    gen: Generation, policy: TinyTransformerPolicy, params: SamplingParams, stops=None, caps=None
+) -> list[str]:
+    """Every completion convention of GYM.md, row by row; returns how each row ended.
+
+    ``caps[i]`` is row ``i``'s own length cap (None: ``params.max_new_tokens``)."""
     tok = policy.tokenizer
     b, t = gen.completion_ids.shape
     assert gen.completion_mask.shape == gen.logprobs.shape == (b, t) and len(gen.texts) == b
@@ -57,7 +61,8 @@ def check_conventions(gen: Generation, policy: TinyTransformerPolicy, params: Sa
             if any(s in gen.texts[i] for s in row_stops):
                 endings.append("stop")  # the stop string is in the text
             else:
-                assert n == params.max_new_tokens
+                cap = params.max_new_tokens if caps is None or caps[i] is None else min(caps[i], params.max_new_tokens)
+                assert n == cap
                 endings.append("length")
     return endings
 
@@ -160,6 +165,59 @@ def test_max_new_tokens_bounds_the_completion(policy):
     assert none.completion_ids.shape == (len(PROMPTS), 0) and none.texts == [""] * len(PROMPTS)
 
 
+CAPS = [1, 3, None, 0, 2, 20]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_per_row_caps_truncate_rows_and_keep_logprobs_consistent(policy, temperature):
+    params = SamplingParams(max_new_tokens=8, temperature=temperature)
+    prompts = PROMPTS * 3
+    caps = CAPS * 3
+    obs = [Observation(prompt=p, max_new_tokens=c) for p, c in zip(prompts, caps)]
+    gen = generate(policy, obs, params, generator=seeded(11))
+    endings = check_conventions(gen, policy, params, caps=caps)
+    lengths = gen.completion_mask.sum(-1).tolist()
+    for n, c in zip(lengths, caps):
+        assert n <= (8 if c is None else min(c, 8))
+    assert "length" in endings and lengths[3] == 0 and gen.texts[3] == ""
+    # The behaviour log-probs are what score() gives for the produced tokens (0 where masked).
+    scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
+                          temperature=temperature or 1.0)
+    torch.testing.assert_close(gen.logprobs, scores.logprobs.detach(), rtol=0, atol=1e-5)
+    # A cap only truncates: each row's tokens are the uncapped row's first ones (same seed, same draws).
+    free = generate(policy, [Observation(prompt=p) for p in prompts], params, generator=seeded(11))
+    for i, n in enumerate(lengths):
+        assert gen.completion_ids[i, :n].tolist() == free.completion_ids[i, :n].tolist()
+        torch.testing.assert_close(gen.logprobs[i, :n], free.logprobs[i, :n], rtol=0, atol=1e-5)
+        if caps[i] is None or caps[i] >= 8:
+            assert gen.texts[i] == free.texts[i]
+
+
+def test_caps_of_none_or_above_the_limit_change_nothing(policy):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    base = generate(policy, observations(), params, generator=seeded(2))
+    for cap in (None, 10, 50):
+        obs = [Observation(prompt=p, max_new_tokens=cap) for p in PROMPTS]
+        gen = generate(policy, obs, params, generator=seeded(2))
+        assert gen.texts == base.texts and torch.equal(gen.completion_ids, base.completion_ids)
+        assert torch.equal(gen.completion_mask, base.completion_mask) and torch.equal(gen.logprobs, base.logprobs)
+    # Every row capped: the loop stops at the largest cap; sample() takes the caps directly.
+    ids, mask = policy.encode_observations(observations())
+    short = sample(policy, ids, mask, params, max_new_tokens=[2] * len(PROMPTS), generator=seeded(2))
+    assert short.completion_ids.shape[1] <= 2
+    zero = sample(policy, ids, mask, params, max_new_tokens=[0] * len(PROMPTS))
+    assert zero.completion_ids.shape == (len(PROMPTS), 0) and zero.texts == [""] * len(PROMPTS)
+
+
+def test_kv_cache_generator_honours_observation_caps(policy):
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    obs = [Observation(prompt=p, max_new_tokens=c) for p, c in zip(PROMPTS, CAPS)]
+    a = KVCacheGenerator().generate(policy, obs, params, generator=seeded(5))
+    b = generate(policy, obs, params, generator=seeded(5))
+    assert a.texts == b.texts and torch.equal(a.completion_mask, b.completion_mask)
+    check_conventions(a, policy, params, caps=CAPS)
+
+
 def test_pick_tokens_never_draws_outside_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]] * 4000))
     token, logp = pick_tokens(logits, 1.0, 0.8, seeded(0))
@@ -188,6 +246,12 @@ def test_bad_inputs_are_one_line_errors_naming_the_culprit(policy):
         sample(policy, ids, mask.long(), SamplingParams())
     with pytest.raises(ValueError, match="stops: expected one list per row"):
         sample(policy, ids, mask, SamplingParams(), stops=[["x"]])
+    with pytest.raises(ValueError, match="max_new_tokens: expected one cap"):
+        sample(policy, ids, mask, SamplingParams(), max_new_tokens=[1])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\]: expected an integer >= 0 or None"):
+        sample(policy, ids, mask, SamplingParams(), max_new_tokens=[-1] * len(obs))
+    with pytest.raises(ValueError, match=r"observations\[1\].max_new_tokens"):
+        generate(policy, [Observation(prompt="1"), Observation(prompt="2", max_new_tokens=1.5)], SamplingParams())
     with pytest.raises(ValueError, match="observations is empty"):
         generate(policy, [], SamplingParams())
 
