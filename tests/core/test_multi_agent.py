@@ -138,7 +138,8 @@ def test_update_frequency_needs_an_optimiser_that_honours_it() -> None:
 def test_the_built_in_optimisers_train_each_agents_own_layers(tmp_path) -> None:
     # GRPO (the Algorithm base) routes every row to its agent's parameters: each agent's own decoder moves.
     config = load_config(EXAMPLE, ["optimizer.name=grpo", "optimizer.options={}", "loggers=[]", "train.steps=1",
-                                   "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"])
+                                   "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4",
+                                   "agents.update_frequency=1"])  # grpo steps every parameter every update
     trainer = Trainer(config, run_dir=tmp_path)
     heads = {a: [p.detach().clone() for p in trainer.policy.for_agent(a).output_head().parameters()] for a in AGENTS}
     trainer.train_step()
