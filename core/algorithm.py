@@ -418,29 +418,19 @@ class Algorithm:
         budget = self.token_budget(batch)
 
         def run(budget: int | None) -> Any:
-            if budget is None:
+            if budget is None:  # the update's micro-batch size, in row order, untrimmed
                 size = max(1, math.ceil(n / self.train.grad_accum))
-                parts = []
-                for start in range(0, n, size):
-                    s = slice(start, start + size)
-                    with self.autocast():
-                        parts.append(
-                            model.score(
-                                batch.prompt_ids[s], batch.prompt_mask[s], batch.completion_ids[s],
-                                batch.completion_mask[s], temperature=self.temperature, entropy=False, values=values,
-                                **agent_rows(model, batch.agent_ids[s]),
-                            )
-                        )
-                return TokenScores(
-                    logprobs=torch.cat([p.logprobs for p in parts]),
-                    values=torch.cat([p.values for p in parts]) if values else None,
-                )
+                plan = [torch.arange(start, min(start + size, n)) for start in range(0, n, size)]
+            else:
+                plan = self.plan(batch, budget, shuffle=False)
             shape = tuple(batch.completion_ids.shape)
             device = batch.completion_ids.device
             logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
             vals = torch.zeros(shape, dtype=torch.float32, device=device) if values else None
-            for idx in self.plan(batch, budget, shuffle=False):
-                micro = trim_padding(batch.select(idx))
+            for idx in plan:
+                micro = batch.select(idx)
+                if budget is not None:
+                    micro = trim_padding(micro)
                 with self.autocast():
                     out = model.score(
                         micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,

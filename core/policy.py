@@ -49,6 +49,18 @@ class TokenScores:
     values: torch.Tensor | None = None
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one left-padded ``[B, width]`` id tensor and its mask, on ``device`` (prompts end flush right,
+    so that generation continues every row at the same column)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(list(r), dtype=torch.int64)
+        mask[i, width - len(r) :] = True
+    return ids.to(device), mask.to(device)
+
+
 class CausalLMPolicy(torch.nn.Module):
     """A causal LM policy (see the module docstring). Subclasses implement :meth:`trunk` and :meth:`output_head`."""
 
@@ -116,13 +128,7 @@ class CausalLMPolicy(torch.nn.Module):
             if not ids:
                 raise ValueError(f"observations[{i}]: the prompt encodes to no tokens (prompt {obs.prompt!r})")
             rows.append(ids)
-        width = max(len(r) for r in rows)
-        ids_t = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.int64)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids_t[i, width - len(r) :] = torch.tensor(r, dtype=torch.int64)
-            mask[i, width - len(r) :] = True
-        return ids_t.to(self.device), mask.to(self.device)
+        return left_pad(rows, tok.pad_token_id, self.device)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., len(tokenizer)]`` for hidden states ``[..., H]``.

@@ -22,6 +22,7 @@ from palestra.plugins.policies._tiny_model import (
     attention_mask_4d,
     rope_table,
 )
+from palestra.policy import left_pad
 from torch import nn
 
 
@@ -77,14 +78,7 @@ def encode_prefixes(tokenizer, texts: list[str], room: int, device: torch.device
         ids = tokenizer.encode(text)
         ids = ([bos] if bos is not None else []) + ids
         rows.append(ids[-room:] if room > 0 else ids[-1:])
-    rows = [r or [tokenizer.pad_token_id] for r in rows]
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        out[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
-        mask[i, width - len(r):] = True
-    return out.to(device), mask.to(device)
+    return left_pad([r or [tokenizer.pad_token_id] for r in rows], tokenizer.pad_token_id, device)
 
 
 __all__ = ["StateCritic", "encode_prefixes"]
