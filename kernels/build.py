@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["KernelBuildError", "NativeLibrary", "CPU_LIBRARY", "CUDA_LIBRARY", "csrc_dir", "cache_root"]
+__all__ = ["KernelBuildError", "NativeLibrary", "CPU_LIBRARY", "CUDA_LIBRARY", "csrc_dir", "cache_root", "cpu_simd_level"]
 
 
 class KernelBuildError(RuntimeError):
@@ -191,6 +191,20 @@ def _cpu_flags() -> str:
     import platform
 
     return platform.processor()
+
+
+def cpu_simd_level() -> str:
+    """Which inner loops the C++ ``logprob_entropy`` runs on this host: ``avx512``, ``avx2`` (with FMA) or
+    ``portable``. The library is built with ``-march=native``, so this mirrors ``simd_level()`` in
+    csrc/cpu/logprob_entropy.cpp: the host's flags, unless ``PALESTRA_CPU_PORTABLE=1`` forces the portable loops."""
+    if os.environ.get("PALESTRA_CPU_PORTABLE") == "1":
+        return "portable"
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "portable"
 
 
 # The schema and every CPU implementation; built on first use of a cpp back end.

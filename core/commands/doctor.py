@@ -188,7 +188,10 @@ def check_versions() -> list[Check]:
         checks.append(Check(v, "compiler", FAILED, f"{cxx!r} not found on PATH; the cpp back end needs a C++17 compiler (set CXX)"))
     else:
         try:
-            checks.append(Check(v, "compiler", OK, f"{first_line(run_tool([path, '--version']))} ({path})"))
+            from palestra.kernels.build import cpu_simd_level
+
+            checks.append(Check(v, "compiler", OK, f"{first_line(run_tool([path, '--version']))} ({path}); "
+                                                   f"C++ kernels use the {cpu_simd_level()} loops here"))
         except Exception as e:  # noqa: BLE001
             checks.append(Check(v, "compiler", FAILED, f"{path} --version failed: {one_line(e)}"))
 

@@ -10,12 +10,16 @@
 // Backward: p = exp(z - lse) is recomputed from the saved lse, and the gradient is written once:
 //   dz_j = g_logp * (1[j == tok] - p_j) - g_ent * p_j * (z_j - lse + H),   dlogits = dz / temperature.
 //
-// exp runs in base 2 (2^y = 2^n * poly(f)). Two versions of the inner loops: AVX-512 intrinsics
-// (roundscale / scalef, and a software prefetch of the next block so that memory traffic overlaps the
-// arithmetic), used when the compiler targets AVX-512 (-march=native here), and portable loops that GCC
-// vectorises through `#pragma omp simd` on any other CPU (PALESTRA_CPU_PORTABLE=1 forces them, so the
-// tests cover both). libm's expf would keep the loops scalar. bf16 / fp16 blocks are widened to fp32 in
-// an L1-resident scratch buffer; all arithmetic is fp32.
+// exp runs in base 2 (2^y = 2^n * poly(f), simd.h). The inner loops are templates over simd.h's lane
+// types, compiled for AVX-512, AVX2 + FMA or portable vector extensions, whichever is widest on the host
+// (-march=native); PALESTRA_CPU_PORTABLE=1 forces the portable lanes, so the tests cover them on every
+// machine. The forward software-prefetches the next block so that memory traffic overlaps the
+// arithmetic. libm's expf would keep the loops scalar. bf16 / fp16 blocks are widened to fp32 in an
+// L1-resident scratch buffer; all arithmetic is fp32.
+//
+// The [N, V] gradient is the one large allocation: its pages are advised as transparent huge pages
+// before the first write, because first-touching 512 MiB in 4 KiB pages costs more than the backward
+// arithmetic (see advise_huge_pages).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -29,8 +33,17 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/simd.h"
+
+// The lane types' vectors are passed between inlined functions of this file only (see simd.h).
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__SSE__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace palestra {
@@ -39,48 +52,14 @@ namespace {
 // 2048 fp32 columns = 8 KiB: a block and its scratch copy fit in L1 together.
 constexpr int64_t kBlock = 2048;
 
-// Everything runs in base 2: y = (z - m) * log2(e), 2^y = 2^n * 2^f with n = round(y), |f| <= 1/2.
-// y is clamped to [kExp2Lo, kExp2Hi]: 2^kExp2Lo is the smallest normal float, so masked logits (-inf)
-// contribute a harmless ~1e-38 instead of 0 * inf = NaN in t, and kExp2Hi keeps 2^n finite.
-constexpr float kExp2Lo = -126.0f;
-constexpr float kExp2Hi = 127.0f;
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.69314718055994531f;
-// 1.5 * 2^23 + 127: adding it rounds y to an integer n and leaves n + 127 (the biased exponent of 2^n)
-// in the low mantissa bits, so `bits << 23` is 2^n without a float -> int conversion.
-constexpr float kRoundBias = 12582912.0f + 127.0f;
-
-__attribute__((always_inline)) inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
-__attribute__((always_inline)) inline uint32_t float_to_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-
-// 2^y for y already clamped to [kExp2Lo, kExp2Hi]; degree-6 polynomial fitted (relative error, p(0) = 1)
-// to 2^f on [-1/2, 1/2]: under 1e-7 relative error in fp32.
-__attribute__((always_inline)) inline float exp2_unchecked(float y) {
-  const float k = y + kRoundBias;
-  const float f = y - (k - kRoundBias);
-  float p = 1.5353360504377633e-4f;
-  p = std::fma(p, f, 1.3398875016719103e-3f);
-  p = std::fma(p, f, 9.61843691766262e-3f);
-  p = std::fma(p, f, 5.5503323674201965e-2f);
-  p = std::fma(p, f, 2.4022647738456726e-1f);
-  p = std::fma(p, f, 6.931471824645996e-1f);
-  p = std::fma(p, f, 1.0f);
-  return p * bits_to_float(float_to_bits(k) << 23);
-}
-
-__attribute__((always_inline)) inline float clamp_exp2_arg(float y) {
-  y = y < kExp2Lo ? kExp2Lo : y;
-  return y > kExp2Hi ? kExp2Hi : y;
-}
+using simd::bits_to_float;
+using simd::clamp_exp2_arg;
+using simd::exp2_unchecked;
+using simd::float_to_bits;
+using simd::kExp2Hi;
+using simd::kExp2Lo;
+using simd::kLn2;
+using simd::kLog2e;
 
 // ---- dtype conversions (widen on load, round-to-nearest-even on store) ---------------------------
 
@@ -164,89 +143,45 @@ struct RowStats {
 };
 
 // s += sum 2^y and t2 += sum 2^y * y over one block, y = (x - mx) * c2 with c2 = log2(e) / temperature
-// (so y <= 0 against the running max mx; only the lower clamp can bite).
-inline void block_sums_portable(const float* x, int64_t n, float mx, float c2, float& s, float& t2) {
-  float bs = 0.f, bt = 0.f;
-#pragma omp simd reduction(+ : bs, bt)
-  for (int64_t j = 0; j < n; ++j) {
-    float y = (x[j] - mx) * c2;  // x - mx is exact near the max, where the mass is
-    y = y < kExp2Lo ? kExp2Lo : y;
+// (so y <= 0 against the running max mx; only the lower clamp can bite). `prefetch` (may be null): the
+// next block of this thread's rows, pulled into L1 two cache lines per 32 columns while this block is
+// computed. The last n % (2 * width) columns go through the scalar formula.
+template <class L>
+void block_sums(const float* x, int64_t n, float mx, float c2, float& s, float& t2, const char* prefetch,
+                int64_t prefetch_bytes) {
+  using V = typename L::V;
+  constexpr int64_t W = L::kWidth;
+  const V vmx = L::set1(mx), vc2 = L::set1(c2), lo = L::set1(kExp2Lo);
+  V s0 = L::zero(), s1 = L::zero(), u0 = L::zero(), u1 = L::zero();
+  // Spread the next block's lines over this loop: `step` bytes further every 32 columns (no division in
+  // the loop: a 64-bit divide there costs more than the prefetch saves).
+  const int64_t step = prefetch_bytes * 32 / n;
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    if (prefetch != nullptr && j % 32 == 0) {
+      const char* at = prefetch + (j / 32) * step;
+      __builtin_prefetch(at, 0, 3);
+      __builtin_prefetch(at + 64, 0, 3);
+    }
+    // x - mx is exact near the max, where the mass is.
+    const V y0 = L::max_keep_nan(lo, L::mul(L::sub(L::load(x + j), vmx), vc2));
+    const V y1 = L::max_keep_nan(lo, L::mul(L::sub(L::load(x + j + W), vmx), vc2));
+    const V e0 = L::exp2(y0), e1 = L::exp2(y1);
+    s0 = L::add(s0, e0);
+    s1 = L::add(s1, e1);
+    u0 = L::fmadd(e0, y0, u0);
+    u1 = L::fmadd(e1, y1, u1);
+  }
+  float bs = L::sum(L::add(s0, s1)), bt = L::sum(L::add(u0, u1));
+  for (; j < n; ++j) {
+    float y = (x[j] - mx) * c2;
+    y = y < kExp2Lo ? kExp2Lo : y;  // keeps a NaN y
     const float e = exp2_unchecked(y);
     bs += e;
     bt = std::fma(e, y, bt);
   }
   s += bs;
   t2 += bt;
-}
-
-#if defined(__AVX512F__)
-// The same with AVX-512 intrinsics: roundscale and scalef replace the rounding and exponent tricks
-// (2^y = scalef(p(f), n)), which takes the loop from ~22 to ~14 instructions per 16 columns.
-// y >= -126 after the clamp, so n >= -126 and f >= 0 when n = -126: results stay normal floats.
-struct Exp2x16 {
-  const __m512 c1 = _mm512_set1_ps(6.931471824645996e-1f), c2 = _mm512_set1_ps(2.4022647738456726e-1f),
-               c3 = _mm512_set1_ps(5.5503323674201965e-2f), c4 = _mm512_set1_ps(9.61843691766262e-3f),
-               c5 = _mm512_set1_ps(1.3398875016719103e-3f), c6 = _mm512_set1_ps(1.5353360504377633e-4f),
-               one = _mm512_set1_ps(1.0f);
-
-  __attribute__((always_inline)) __m512 operator()(__m512 y) const {
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_fmadd_ps(c6, f, c5);
-    p = _mm512_fmadd_ps(p, f, c4);
-    p = _mm512_fmadd_ps(p, f, c3);
-    p = _mm512_fmadd_ps(p, f, c2);
-    p = _mm512_fmadd_ps(p, f, c1);
-    p = _mm512_fmadd_ps(p, f, one);
-    return _mm512_scalef_ps(p, n);
-  }
-};
-
-// `prefetch` (bytes, may be null): the next block of this thread's rows, pulled into L1 one or two
-// cache lines per iteration while this block is computed, so memory and arithmetic overlap.
-inline void block_sums_avx512(const float* x, int64_t n, float mx, float c2, float& s, float& t2,
-                              const char* prefetch, int64_t prefetch_bytes) {
-  const Exp2x16 exp2;
-  const __m512 vmx = _mm512_set1_ps(mx), vc2 = _mm512_set1_ps(c2), lo = _mm512_set1_ps(kExp2Lo);
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-  // max(lo, y) keeps a NaN y (the second operand wins), so NaN logits give NaN results.
-  auto y_of = [&](__m512 v) { return _mm512_max_ps(lo, _mm512_mul_ps(_mm512_sub_ps(v, vmx), vc2)); };
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    if (prefetch != nullptr) {
-      const int64_t at = j * prefetch_bytes / n;  // spread the next block's lines over this loop
-      _mm_prefetch(prefetch + at, _MM_HINT_T0);
-      _mm_prefetch(prefetch + at + 64, _MM_HINT_T0);
-    }
-    const __m512 y0 = y_of(_mm512_loadu_ps(x + j)), y1 = y_of(_mm512_loadu_ps(x + j + 16));
-    const __m512 e0 = exp2(y0), e1 = exp2(y1);
-    s0 = _mm512_add_ps(s0, e0);
-    s1 = _mm512_add_ps(s1, e1);
-    t0 = _mm512_fmadd_ps(e0, y0, t0);
-    t1 = _mm512_fmadd_ps(e1, y1, t1);
-  }
-  for (; j < n; j += 16) {
-    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    // Lanes past the end add nothing (y and e zeroed: their y could be +inf when mx is still lowest).
-    const __m512 y = _mm512_maskz_mov_ps(m, y_of(_mm512_maskz_loadu_ps(m, x + j)));
-    const __m512 e = _mm512_maskz_mov_ps(m, exp2(y));
-    s0 = _mm512_add_ps(s0, e);
-    t0 = _mm512_fmadd_ps(e, y, t0);
-  }
-  s += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-  t2 += _mm512_reduce_add_ps(_mm512_add_ps(t0, t1));
-}
-#endif
-
-// The portable loops are what other CPUs compile; PALESTRA_CPU_PORTABLE=1 selects them here too (the
-// tests run both).
-inline bool use_avx512() {
-#if defined(__AVX512F__)
-  const char* env = std::getenv("PALESTRA_CPU_PORTABLE");
-  return env == nullptr || std::strcmp(env, "1") != 0;
-#else
-  return false;
-#endif
 }
 
 // Move the accumulators from running max `mx` to `new_mx` (both in logit units):
@@ -260,8 +195,8 @@ inline void rescale(float& s, float& t2, float mx, float new_mx, float c2) {
   }
 }
 
-template <typename T>
-RowStats row_forward(const T* x, int64_t V, float inv_t, float* scratch, [[maybe_unused]] bool avx512) {
+template <class L, typename T>
+RowStats row_forward(const T* x, int64_t V, float inv_t, float* scratch) {
   // The lowest finite float, not -inf, so that a leading block of -inf logits gives finite gaps.
   float mx = std::numeric_limits<float>::lowest();
   const float c2 = inv_t * kLog2e;
@@ -280,69 +215,56 @@ RowStats row_forward(const T* x, int64_t V, float inv_t, float* scratch, [[maybe
       rescale(s, t2, mx, bm, c2);
       mx = bm;
     }
-#if defined(__AVX512F__)
-    if (avx512) {
-      // The bytes after this block are the next block of this row, or the start of the next row.
-      const char* next = reinterpret_cast<const char*>(x + b + n);
-      block_sums_avx512(xb, n, mx, c2, s, t2, next, static_cast<int64_t>(std::min(kBlock, V) * sizeof(T)));
-      continue;
-    }
-#endif
-    block_sums_portable(xb, n, mx, c2, s, t2);
+    // The bytes after this block are the next block of this row, or the start of the next row.
+    block_sums<L>(xb, n, mx, c2, s, t2, reinterpret_cast<const char*>(x + b + n),
+                  static_cast<int64_t>(std::min(kBlock, V) * sizeof(T)));
   }
   // lse = m + ln s; entropy = lse - E[z] = ln s - E[z - m] = ln s - ln2 * t2 / s.
   const float log_s = std::log(s);
   return {mx, log_s, std::max(std::fma(-kLn2, t2 / s, log_s), 0.f)};
 }
 
-// out[j] = 2^y_j * (a + c * y_j), y_j = clamp(x_j / T - lse) * log2(e), for one block.
-inline void backward_block_portable(const float* x, float* out, int64_t n, float inv_t, float lse, float a, float c) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
+// out[j] = 2^y_j * (a + c * y_j) + tok_term * 1[j == tok_local], y_j = clamp(x_j / T - lse) * log2(e),
+// for one block (tok_local = tok - block start: any value if the token is elsewhere). The token's term is
+// added in registers, so each gradient element is written exactly once. With `stream` (fp32 output
+// aligned for the lane type), full vectors go out as non-temporal stores: the [N, V] gradient is not read
+// back soon, and streaming it skips reading every destination line into the cache first.
+template <class L>
+void backward_block(const float* x, float* out, int64_t n, float inv_t, float lse, float a, float c,
+                    int64_t tok_local, float tok_term, bool stream) {
+  using V = typename L::V;
+  constexpr int64_t W = L::kWidth;
+  const V vinv = L::set1(inv_t), vlse = L::set1(lse), vlog2e = L::set1(kLog2e);
+  const V lo = L::set1(kExp2Lo), hi = L::set1(kExp2Hi), va = L::set1(a), vc = L::set1(c);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
     // z - lse <= 0 up to rounding; the upper clamp only guards against an inconsistent lse.
-    const float y = clamp_exp2_arg(std::fma(x[j], inv_t, -lse) * kLog2e);
-    out[j] = exp2_unchecked(y) * std::fma(c, y, a);
-  }
-}
-
-#if defined(__AVX512F__)
-// The AVX-512 version also adds the token's term (tok_local = tok - block start; any value if the token
-// is elsewhere) before storing, so that each gradient element is written exactly once. With `stream`
-// (fp32 output, 64-byte aligned) full vectors go out as non-temporal stores: the [N, V] gradient is not
-// read back soon, and streaming it skips reading every destination line into the cache first.
-inline void backward_block_avx512(const float* x, float* out, int64_t n, float inv_t, float lse, float a, float c,
-                                  int64_t tok_local, float tok_term, bool stream) {
-  const Exp2x16 exp2;
-  const __m512 vinv = _mm512_set1_ps(inv_t), vlse = _mm512_set1_ps(lse), vlog2e = _mm512_set1_ps(kLog2e);
-  const __m512 lo = _mm512_set1_ps(kExp2Lo), hi = _mm512_set1_ps(kExp2Hi);
-  const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vtok = _mm512_set1_ps(tok_term);
-  for (int64_t j = 0; j < n; j += 16) {
-    const bool full = n - j >= 16;
-    const __mmask16 m = full ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 x16 = _mm512_maskz_loadu_ps(m, x + j);
-    __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(x16, vinv, vlse), vlog2e);
-    y = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
-    __m512 g = _mm512_mul_ps(exp2(y), _mm512_fmadd_ps(vc, y, va));
-    if (static_cast<uint64_t>(tok_local - j) < 16) {
-      g = _mm512_mask_add_ps(g, static_cast<__mmask16>(1u << (tok_local - j)), g, vtok);
+    V y = L::mul(L::sub(L::mul(L::load(x + j), vinv), vlse), vlog2e);
+    y = L::min_keep_nan(hi, L::max_keep_nan(lo, y));
+    V g = L::mul(L::exp2(y), L::fmadd(vc, y, va));
+    if (static_cast<uint64_t>(tok_local - j) < static_cast<uint64_t>(W)) {
+      g = L::add_at_lane(g, static_cast<int>(tok_local - j), tok_term);
     }
-    if (full && stream) {
-      _mm512_stream_ps(out + j, g);
+    if (stream) {
+      L::stream(out + j, g);
     } else {
-      _mm512_mask_storeu_ps(out + j, m, g);
+      L::store(out + j, g);
     }
   }
+  for (; j < n; ++j) {
+    const float y = clamp_exp2_arg(std::fma(x[j], inv_t, -lse) * kLog2e);
+    out[j] = exp2_unchecked(y) * std::fma(c, y, a) + (j == tok_local ? tok_term : 0.f);
+  }
 }
-#endif
 
-template <typename T>
+template <class L, typename T>
 void row_backward(const T* x, T* gx, int64_t V, int64_t tok, float g_logp, float g_ent, float lse, float ent,
-                  float inv_t, float* scratch, [[maybe_unused]] bool avx512) {
+                  float inv_t, float* scratch) {
   // dlogits_j = -inv_t * p_j * (g_logp + g_ent * (z_j - lse + H)) + inv_t * g_logp * 1[j == tok]
   //          = p_j * (a + c * y_j) + ...,  y_j = (z_j - lse) * log2(e),  p_j = 2^y_j.
   const float a = -inv_t * std::fma(g_ent, ent, g_logp);  // -inv_t * (g_logp + g_ent * H)
   const float c = -inv_t * g_ent * kLn2;
-
+  bool streamed = false;
   for (int64_t b = 0; b < V; b += kBlock) {
     const int64_t n = std::min(kBlock, V - b);
     const float* xb;
@@ -354,22 +276,32 @@ void row_backward(const T* x, T* gx, int64_t V, int64_t tok, float g_logp, float
       widen(x + b, scratch, n);  // computed in place, then narrowed into gx
       xb = out = scratch;
     }
-#if defined(__AVX512F__)
-    if (avx512) {
-      const bool stream = std::is_same_v<T, float> && (reinterpret_cast<uintptr_t>(out) & 63u) == 0;
-      backward_block_avx512(xb, out, n, inv_t, lse, a, c, tok - b, inv_t * g_logp, stream);
-    } else {
-      backward_block_portable(xb, out, n, inv_t, lse, a, c);
-      if (tok >= b && tok < b + n) out[tok - b] += inv_t * g_logp;
-    }
-#else
-    backward_block_portable(xb, out, n, inv_t, lse, a, c);
-    if (tok >= b && tok < b + n) out[tok - b] += inv_t * g_logp;
-#endif
+    const bool stream = std::is_same_v<T, float> && L::kStreamAlign != 0 &&
+                        (reinterpret_cast<uintptr_t>(out) & (L::kStreamAlign - 1)) == 0;
+    streamed = streamed || stream;
+    backward_block<L>(xb, out, n, inv_t, lse, a, c, tok - b, inv_t * g_logp, stream);
     if constexpr (!std::is_same_v<T, float>) narrow(scratch, gx + b, n);
   }
-#if defined(__AVX512F__)
-  if (avx512) _mm_sfence();  // order the non-temporal stores before the op returns
+#if defined(__SSE__)
+  if (streamed) _mm_sfence();  // order the non-temporal stores before the op returns
+#endif
+}
+
+// ---- the gradient's memory ---------------------------------------------------------------------------
+
+// Ask the kernel to back the whole pages of [p, p + bytes) with transparent huge pages, before anything
+// writes them. A fresh 512 MiB gradient in 4 KiB pages is 131072 page faults, about 0.25 s on a 2-core
+// VM: several times the backward's arithmetic. In 2 MiB pages it is 256. Advice only: where THP is off
+// ("never"), on pages already touched (memory the allocator reused), or off Linux, nothing changes.
+// torch does the same for every allocation when THP_MEM_ALLOC_ENABLE=1; here it is only this buffer.
+void advise_huge_pages([[maybe_unused]] void* p, [[maybe_unused]] size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t kHugePage = size_t{2} << 20;
+  if (bytes < 4 * kHugePage) return;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #endif
 }
 
@@ -415,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(const at::Ten
   float* ent_p = ent.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
 
-  const bool avx512 = use_avx512();
+  const simd::Level level = simd::level();
   dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
@@ -427,7 +359,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(const at::Ten
           continue;
         }
         const scalar_t* row = x + i * V;
-        const RowStats st = row_forward(row, V, inv_t, scratch, avx512);
+        const RowStats st = simd::with_lanes(level, [&](auto lanes) {
+          return row_forward<decltype(lanes)>(row, V, inv_t, scratch);
+        });
         lse_p[i] = std::fma(st.max, inv_t, st.log_s);
         ent_p[i] = st.entropy;
         // z_tok - lse as (x_tok - max) / T - log_s: no cancellation between two large numbers.
@@ -458,13 +392,14 @@ at::Tensor logprob_entropy_backward_cpu(const at::Tensor& grad_logp_in, const at
   const int64_t* tok = tokens.data_ptr<int64_t>();
   check_token_range(tok, N, V, ignore_index);
   at::Tensor grad = at::empty_like(logits);
+  advise_huge_pages(grad.mutable_data_ptr(), grad.nbytes());
   const float inv_t = static_cast<float>(1.0 / temperature);
   const float* gl = g_logp.data_ptr<float>();
   const float* ge = g_ent.data_ptr<float>();
   const float* lse_p = lse.data_ptr<float>();
   const float* ent_p = ent.data_ptr<float>();
 
-  const bool avx512 = use_avx512();
+  const simd::Level level = simd::level();
   dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
@@ -477,7 +412,9 @@ at::Tensor logprob_entropy_backward_cpu(const at::Tensor& grad_logp_in, const at
           std::memset(static_cast<void*>(out), 0, V * sizeof(scalar_t));
           continue;
         }
-        row_backward(x + i * V, out, V, tok[i], gl[i], ge[i], lse_p[i], ent_p[i], inv_t, scratch, avx512);
+        simd::with_lanes(level, [&](auto lanes) {
+          row_backward<decltype(lanes)>(x + i * V, out, V, tok[i], gl[i], ge[i], lse_p[i], ent_p[i], inv_t, scratch);
+        });
       }
     });
   });

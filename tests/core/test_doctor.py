@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import plugin_installs
@@ -36,6 +37,7 @@ def test_doctor_reports_toolchain_kernels_data_and_gradient_flow(tmp_path: Path)
     versions = by_name(report, "versions")
     assert {"python", "torch", "cuda", "triton", "ninja", "compiler", "nvcc"} <= set(versions)
     assert versions["torch"]["status"] == "ok" and versions["compiler"]["status"] == "ok"
+    assert re.search(r"C\+\+ kernels use the (avx512|avx2|portable) loops", versions["compiler"]["detail"])
 
     kernels = by_name(report, "kernels")
     ops = ["logprob_entropy", "gae", "discounted_returns", "group_advantages", "rloo_advantages", "normalize_rewards"]

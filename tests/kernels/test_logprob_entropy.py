@@ -170,12 +170,60 @@ def test_masked_vocabulary_entries(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_portable_loops(monkeypatch, dtype):
-    """The vectorised-by-the-compiler loops that CPUs without AVX-512 run (forced by the env var)."""
+    """The portable vector-extension loops that CPUs without AVX2 run (forced by the env var)."""
     monkeypatch.setenv("PALESTRA_CPU_PORTABLE", "1")
     logits, tokens = make_inputs((3, 2), 4500, dtype=dtype)
     grad_rtol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
     check_against_reference(logits, tokens, 0.9, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol,
                             backend="cpp")
+
+
+# Columns where the C++ loops change hands: vector lanes (8 for AVX2 and the portable loops, 16 for
+# AVX-512), the 2048-column blocks, and the scalar tail of a vocabulary that is not a multiple of 8.
+_VOCAB_WITH_TAIL = 2 * 2048 + 13
+_EDGE_TOKENS = [0, 7, 8, 15, 16, 31, 2047, 2048, 2049, _VOCAB_WITH_TAIL - 13, _VOCAB_WITH_TAIL - 6,
+                _VOCAB_WITH_TAIL - 1]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["widest-simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_tokens_at_lane_block_and_tail_edges(monkeypatch, portable, dtype):
+    """The token's term is added inside the vector loops (before streaming stores) or in the scalar
+    tail: every kind of position gets the right value and gradient. Rows of 4109 fp32 columns are not
+    32-byte aligned after the first, so aligned (streamed) and unaligned stores are both covered."""
+    if portable:
+        monkeypatch.setenv("PALESTRA_CPU_PORTABLE", "1")
+    logits, _ = make_inputs((len(_EDGE_TOKENS),), _VOCAB_WITH_TAIL, dtype=dtype, ignored=0.0)
+    tokens = torch.tensor(_EDGE_TOKENS)
+    grad_rtol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
+    check_against_reference(logits, tokens, 0.8, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol,
+                            backend="cpp")
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["widest-simd", "portable"])
+@pytest.mark.parametrize("column", [5, 3000, _VOCAB_WITH_TAIL - 2], ids=["first-vector", "later-block", "tail"])
+def test_cpp_nan_logits_propagate(monkeypatch, portable, column):
+    """A NaN logit makes its row's outputs NaN (never a plausible finite number); other rows are exact."""
+    if portable:
+        monkeypatch.setenv("PALESTRA_CPU_PORTABLE", "1")
+    logits, tokens = make_inputs((3,), _VOCAB_WITH_TAIL, ignored=0.0)
+    logits[1, column] = float("nan")
+    logp, ent = K.logprob_entropy(logits, tokens, backend="cpp")
+    assert torch.isnan(ent[1]) and torch.isnan(logp[1])
+    clean = torch.tensor([0, 2])
+    r_logp, r_ent = reference(logits[clean], tokens[clean])
+    torch.testing.assert_close(logp[clean].double(), r_logp, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ent[clean].double(), r_ent, atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_simd_level_names_the_loops_in_use(monkeypatch):
+    from palestra.kernels.build import cpu_simd_level
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    expected = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags and " fma" in flags else "portable"
+    assert cpu_simd_level() == expected
+    monkeypatch.setenv("PALESTRA_CPU_PORTABLE", "1")
+    assert cpu_simd_level() == "portable"
 
 
 def test_strided_logits_and_int32_tokens():
