@@ -5,6 +5,9 @@
 // accumulates s = sum exp(z - m) and t = sum exp(z - m) * (z - m) against the running max m (rescaled
 // when a block raises it). Keeping t relative to m (rather than sum exp(z - m) * z) avoids cancelling
 // two large numbers when the logits sit far from zero: lse = m + log s and entropy = log s - t / s.
+// In base 2, m is held as m2 = max * log2(e) / T (rounded once), and y = x * c2 - m2 is one fused
+// multiply-add: exact up to its single rounding, and the same offset for the whole row, so lse =
+// (m2 + log2 s) * ln 2 stays consistent with it.
 // Nothing of size [N, V] is allocated; rows are split between threads with at::parallel_for.
 //
 // Backward: p = exp(z - lse) is recomputed from the saved lse, and the gradient is written once:
@@ -137,21 +140,21 @@ inline void narrow(const float* src, c10::Half* dst, int64_t n) {
 // ---- per-row kernels -----------------------------------------------------------------------------
 
 struct RowStats {
-  float max;      // row max of the logits (not divided by the temperature)
-  float log_s;    // ln sum exp(z - max / T): lse = max / T + log_s
+  float max2;     // the row max in base-2 units: max * log2(e) / T, rounded
+  float log_s;    // ln sum 2^(x * c2 - max2): lse = max2 * ln 2 + log_s
   float entropy;
 };
 
-// s += sum 2^y and t2 += sum 2^y * y over one block, y = (x - mx) * c2 with c2 = log2(e) / temperature
-// (so y <= 0 against the running max mx; only the lower clamp can bite). `prefetch` (may be null): the
+// s += sum 2^y and t2 += sum 2^y * y over one block, y = x * c2 - m2 with c2 = log2(e) / temperature
+// (so y <= 0 against the running max m2, up to rounding; only the lower clamp can bite). `prefetch` (may be null): the
 // next block of this thread's rows, pulled into L1 two cache lines per 32 columns while this block is
 // computed. The last n % (2 * width) columns go through the scalar formula.
 template <class L>
-void block_sums(const float* x, int64_t n, float mx, float c2, float& s, float& t2, const char* prefetch,
+void block_sums(const float* x, int64_t n, float m2, float c2, float& s, float& t2, const char* prefetch,
                 int64_t prefetch_bytes) {
   using V = typename L::V;
   constexpr int64_t W = L::kWidth;
-  const V vmx = L::set1(mx), vc2 = L::set1(c2), lo = L::set1(kExp2Lo);
+  const V neg_m2 = L::set1(-m2), vc2 = L::set1(c2), lo = L::set1(kExp2Lo);
   V s0 = L::zero(), s1 = L::zero(), u0 = L::zero(), u1 = L::zero();
   // Spread the next block's lines over this loop: `step` bytes further every 32 columns (no division in
   // the loop: a 64-bit divide there costs more than the prefetch saves).
@@ -163,9 +166,8 @@ void block_sums(const float* x, int64_t n, float mx, float c2, float& s, float& 
       __builtin_prefetch(at, 0, 3);
       __builtin_prefetch(at + 64, 0, 3);
     }
-    // x - mx is exact near the max, where the mass is.
-    const V y0 = L::max_keep_nan(lo, L::mul(L::sub(L::load(x + j), vmx), vc2));
-    const V y1 = L::max_keep_nan(lo, L::mul(L::sub(L::load(x + j + W), vmx), vc2));
+    const V y0 = L::max_keep_nan(lo, L::fmadd(L::load(x + j), vc2, neg_m2));
+    const V y1 = L::max_keep_nan(lo, L::fmadd(L::load(x + j + W), vc2, neg_m2));
     const V e0 = L::exp2(y0), e1 = L::exp2(y1);
     s0 = L::add(s0, e0);
     s1 = L::add(s1, e1);
@@ -174,7 +176,7 @@ void block_sums(const float* x, int64_t n, float mx, float c2, float& s, float& 
   }
   float bs = L::sum(L::add(s0, s1)), bt = L::sum(L::add(u0, u1));
   for (; j < n; ++j) {
-    float y = (x[j] - mx) * c2;
+    float y = std::fma(x[j], c2, -m2);
     y = y < kExp2Lo ? kExp2Lo : y;  // keeps a NaN y
     const float e = exp2_unchecked(y);
     bs += e;
@@ -184,11 +186,11 @@ void block_sums(const float* x, int64_t n, float mx, float c2, float& s, float& 
   t2 += bt;
 }
 
-// Move the accumulators from running max `mx` to `new_mx` (both in logit units):
-// sum e'y' = alpha * (sum e y + d * sum e) with d = (mx - new_mx) * c2 and alpha = 2^d.
-inline void rescale(float& s, float& t2, float mx, float new_mx, float c2) {
+// Move the accumulators from running max `m2` to `new_m2` (both in base-2 units):
+// sum e'y' = alpha * (sum e y + d * sum e) with d = m2 - new_m2 and alpha = 2^d.
+inline void rescale(float& s, float& t2, float m2, float new_m2) {
   if (s > 0.f) {
-    const float d = clamp_exp2_arg((mx - new_mx) * c2);
+    const float d = clamp_exp2_arg(m2 - new_m2);
     const float alpha = exp2_unchecked(d);
     t2 = alpha * std::fma(d, s, t2);
     s *= alpha;
@@ -198,7 +200,7 @@ inline void rescale(float& s, float& t2, float mx, float new_mx, float c2) {
 template <class L, typename T>
 RowStats row_forward(const T* x, int64_t V, float inv_t, float* scratch) {
   // The lowest finite float, not -inf, so that a leading block of -inf logits gives finite gaps.
-  float mx = std::numeric_limits<float>::lowest();
+  float m2 = std::numeric_limits<float>::lowest();
   const float c2 = inv_t * kLog2e;
   float s = 0.f, t2 = 0.f;
   for (int64_t b = 0; b < V; b += kBlock) {
@@ -210,18 +212,18 @@ RowStats row_forward(const T* x, int64_t V, float inv_t, float* scratch) {
       widen(x + b, scratch, n);
       xb = scratch;
     }
-    const float bm = max_of(xb, n);
-    if (bm > mx) {
-      rescale(s, t2, mx, bm, c2);
-      mx = bm;
+    const float bm2 = max_of(xb, n) * c2;  // -inf for a block of -inf logits: no change
+    if (bm2 > m2) {
+      rescale(s, t2, m2, bm2);
+      m2 = bm2;
     }
     // The bytes after this block are the next block of this row, or the start of the next row.
-    block_sums<L>(xb, n, mx, c2, s, t2, reinterpret_cast<const char*>(x + b + n),
+    block_sums<L>(xb, n, m2, c2, s, t2, reinterpret_cast<const char*>(x + b + n),
                   static_cast<int64_t>(std::min(kBlock, V) * sizeof(T)));
   }
-  // lse = m + ln s; entropy = lse - E[z] = ln s - E[z - m] = ln s - ln2 * t2 / s.
+  // lse = m2 ln 2 + ln s; entropy = lse - E[z] = ln s - E[z - m] = ln s - ln2 * t2 / s.
   const float log_s = std::log(s);
-  return {mx, log_s, std::max(std::fma(-kLn2, t2 / s, log_s), 0.f)};
+  return {m2, log_s, std::max(std::fma(-kLn2, t2 / s, log_s), 0.f)};
 }
 
 // out[j] = 2^y_j * (a + c * y_j) + tok_term * 1[j == tok_local], y_j = clamp(x_j / T - lse) * log2(e),
@@ -362,10 +364,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(const at::Ten
         const RowStats st = simd::with_lanes(level, [&](auto lanes) {
           return row_forward<decltype(lanes)>(row, V, inv_t, scratch);
         });
-        lse_p[i] = std::fma(st.max, inv_t, st.log_s);
+        lse_p[i] = std::fma(st.max2, kLn2, st.log_s);
         ent_p[i] = st.entropy;
-        // z_tok - lse as (x_tok - max) / T - log_s: no cancellation between two large numbers.
-        logp_p[i] = std::min((to_float(row[tok[i]]) - st.max) * inv_t - st.log_s, 0.f);
+        // z_tok - lse as (x_tok * c2 - max2) * ln 2 - log_s: the fused difference does not cancel two
+        // rounded large numbers.
+        const float c2 = inv_t * kLog2e;
+        logp_p[i] = std::min(std::fma(to_float(row[tok[i]]), c2, -st.max2) * kLn2 - st.log_s, 0.f);
       }
     });
   });
