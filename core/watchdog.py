@@ -175,6 +175,10 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -
     worker.start()
     if not done.wait(timeout_s):
         raise DataTimeout(f"{what} did not return within {timeout_s:g} s (train.data_timeout_s={timeout_s:g})")
+    # Wait for the worker to be gone, not just done: a daemon thread still winding down when the interpreter
+    # exits is ended with pthread_exit, which aborts the process ("terminate called without an active
+    # exception") if it is inside C++ at that moment.
+    worker.join()
     if "error" in box:
         raise box["error"]
     return box["result"]
