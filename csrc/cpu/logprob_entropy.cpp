@@ -349,28 +349,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_entropy_cpu(const at::Ten
   float* ent_p = ent.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
 
-  const simd::Level level = simd::level();
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
-    at::parallel_for(0, N, rows_per_task(V), [&](int64_t begin, int64_t end) {
-      alignas(64) float scratch[kBlock];
-      for (int64_t i = begin; i < end; ++i) {
-        if (tok[i] == ignore_index) {  // ignored rows are not read at all
-          logp_p[i] = ent_p[i] = lse_p[i] = 0.f;
-          continue;
+  const float c2 = inv_t * kLog2e;
+  // The lane type and the dtype are chosen once per call, outside the row loop.
+  simd::with_lanes(simd::level(), [&](auto lanes) {
+    using L = decltype(lanes);
+    dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
+      using scalar_t = decltype(tag);
+      const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
+      at::parallel_for(0, N, rows_per_task(V), [&](int64_t begin, int64_t end) {
+        alignas(64) float scratch[kBlock];
+        for (int64_t i = begin; i < end; ++i) {
+          if (tok[i] == ignore_index) {  // ignored rows are not read at all
+            logp_p[i] = ent_p[i] = lse_p[i] = 0.f;
+            continue;
+          }
+          const scalar_t* row = x + i * V;
+          const RowStats st = row_forward<L>(row, V, inv_t, scratch);
+          lse_p[i] = std::fma(st.max2, kLn2, st.log_s);
+          ent_p[i] = st.entropy;
+          // z_tok - lse as (x_tok * c2 - max2) * ln 2 - log_s: the fused difference does not cancel two
+          // rounded large numbers.
+          logp_p[i] = std::min(std::fma(to_float(row[tok[i]]), c2, -st.max2) * kLn2 - st.log_s, 0.f);
         }
-        const scalar_t* row = x + i * V;
-        const RowStats st = simd::with_lanes(level, [&](auto lanes) {
-          return row_forward<decltype(lanes)>(row, V, inv_t, scratch);
-        });
-        lse_p[i] = std::fma(st.max2, kLn2, st.log_s);
-        ent_p[i] = st.entropy;
-        // z_tok - lse as (x_tok * c2 - max2) * ln 2 - log_s: the fused difference does not cancel two
-        // rounded large numbers.
-        const float c2 = inv_t * kLog2e;
-        logp_p[i] = std::min(std::fma(to_float(row[tok[i]]), c2, -st.max2) * kLn2 - st.log_s, 0.f);
-      }
+      });
     });
   });
   return {logp, ent, lse};
@@ -403,23 +404,23 @@ at::Tensor logprob_entropy_backward_cpu(const at::Tensor& grad_logp_in, const at
   const float* lse_p = lse.data_ptr<float>();
   const float* ent_p = ent.data_ptr<float>();
 
-  const simd::Level level = simd::level();
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
-    scalar_t* gx = static_cast<scalar_t*>(grad.mutable_data_ptr());
-    at::parallel_for(0, N, rows_per_task(V), [&](int64_t begin, int64_t end) {
-      alignas(64) float scratch[kBlock];
-      for (int64_t i = begin; i < end; ++i) {
-        scalar_t* out = gx + i * V;
-        if (tok[i] == ignore_index) {
-          std::memset(static_cast<void*>(out), 0, V * sizeof(scalar_t));
-          continue;
+  simd::with_lanes(simd::level(), [&](auto lanes) {
+    using L = decltype(lanes);
+    dispatch_logits_dtype(logits.scalar_type(), [&](auto tag) {
+      using scalar_t = decltype(tag);
+      const scalar_t* x = static_cast<const scalar_t*>(logits.const_data_ptr());
+      scalar_t* gx = static_cast<scalar_t*>(grad.mutable_data_ptr());
+      at::parallel_for(0, N, rows_per_task(V), [&](int64_t begin, int64_t end) {
+        alignas(64) float scratch[kBlock];
+        for (int64_t i = begin; i < end; ++i) {
+          scalar_t* out = gx + i * V;
+          if (tok[i] == ignore_index) {
+            std::memset(static_cast<void*>(out), 0, V * sizeof(scalar_t));
+            continue;
+          }
+          row_backward<L>(x + i * V, out, V, tok[i], gl[i], ge[i], lse_p[i], ent_p[i], inv_t, scratch);
         }
-        simd::with_lanes(level, [&](auto lanes) {
-          row_backward<decltype(lanes)>(x + i * V, out, V, tok[i], gl[i], ge[i], lse_p[i], ent_p[i], inv_t, scratch);
-        });
-      }
+      });
     });
   });
   return grad;
