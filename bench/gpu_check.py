@@ -169,7 +169,7 @@ def timed(fn, device: str) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
-    from palestra.commands.bench import time_call
+    from palestra.cli.bench import time_call
 
     return time_call(fn, device, min_time=0.2)
 
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     if not args.no_timing:
         bw = copy_bandwidth(device)
         print(f"  measured copy bandwidth: {bw / 1e9:.1f} GB/s")
-        from palestra.commands.bench import load_cases
+        from palestra.cli.bench import load_cases
 
         for case in load_cases(HERE, device, quick=small, ops=set()):
             if not case.get("baseline") and case["impl"] not in backends:

@@ -1,6 +1,6 @@
 """The standard multi-agent check: MAPPO (and IPPO) on PettingZoo/MPE2 ``simple_spread_v3`` against a random policy.
 
-Issue 6, point 6: the generic MAPPO math of :mod:`palestra.marl` (per-agent GAE, per-agent value
+Issue 6, point 6: the generic MAPPO math of :mod:`palestra.plugins.optimizers.mappo.per_agent` (per-agent GAE, per-agent value
 normalisation, PPO clip for actor and critic, per-agent advantage normalisation, per-group gradient clipping)
 must improve clearly over a random policy on a standard cooperative task within a CPU budget. This file holds
 
@@ -31,14 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from palestra.marl import (
+from palestra.plugins.optimizers.mappo.per_agent import (
     ValueNormalizer,
-    clipped_value_loss,
     normalize_advantages_per_agent,
     per_agent_clip_grad_norm,
     per_agent_gae,
-    ppo_actor_loss,
 )
+from palestra.rl import clipped_surrogate, value_loss
 from torch import nn
 
 __all__ = ["MAPPOConfig", "MAPPOTrainer", "ParallelEnvAdapter", "StepResult", "main", "make_simple_spread", "random_policy_return"]
@@ -210,7 +209,7 @@ class MAPPOTrainer:
     One update = ``n_envs`` full episodes; rows of the update batch are one agent's episode each
     (``[n_envs * n_agents, T]``), so GAE runs per agent along its own trajectory with a truncation bootstrap
     from the value of the final observation. The critic regresses per-agent normalised returns
-    (:class:`palestra.marl.ValueNormalizer`), advantages are normalised per agent, and actor and critic are
+    (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`), advantages are normalised per agent, and actor and critic are
     clipped as two gradient groups (their separate optimisers, as in MAPPO).
     """
 
@@ -294,11 +293,11 @@ class MAPPOTrainer:
                 entropy = -(logp_all.exp() * logp_all).sum(-1)
                 m = mask[idx]
                 n = m.sum().clamp(min=1)
-                pg, pm = ppo_actor_loss(logp, old_logp[idx], adv[idx], m, clip=cfg.clip)
+                pg, pm = clipped_surrogate(logp, old_logp[idx], adv[idx], m, clip_low=cfg.clip)
                 ent = (entropy * m).sum() / n
                 actor_loss = pg.sum() / n - cfg.entropy_coef * ent
                 values = self.critic(critic_x[idx])[..., 0]
-                vl, vm = clipped_value_loss(values, old_values[idx], target[idx], m, clip=cfg.value_clip, huber_delta=cfg.huber_delta)
+                vl, vm = value_loss(values, old_values[idx], target[idx], m, clip=cfg.value_clip, huber_delta=cfg.huber_delta)
                 critic_loss = vl.sum() / n
                 self.actor_opt.zero_grad(set_to_none=True)
                 self.critic_opt.zero_grad(set_to_none=True)

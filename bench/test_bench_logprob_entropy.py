@@ -149,7 +149,7 @@ def test_bench(benchmark, case):
 def _peak_extra_bytes(fn) -> float | None:
     """Peak resident memory added by one call (Linux: VmHWM after resetting it), None elsewhere."""
     try:
-        from palestra.commands.bench import peak_memory
+        from palestra.cli.bench import peak_memory
     except ImportError:
         return None
     return peak_memory(fn, DEVICE)

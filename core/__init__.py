@@ -1,6 +1,71 @@
-"""Palestra: an RL gym for language models."""
+"""Palestra: an RL gym for language models.
 
-from .hookspecs import hookimpl
+What a plugin author needs, importable from ``palestra`` alone::
+
+    from palestra import hookimpl, option, Observation, StepResult, RewardOutput, Algorithm
+
+The contract lives at the top of the package: :mod:`palestra.hookspecs` (the hooks a plugin implements),
+:mod:`palestra.types` (what components exchange), :mod:`palestra.context` (what the trainer hands each
+component), :mod:`palestra.registry` and :mod:`palestra.plugin_manager`. The machinery is in sub-packages:
+``config``, ``engine`` (trainer, rollout, learner, checkpoints, watchdog), ``scale`` (distributed, precision,
+micro-batching, offload), ``rl`` (the loss and advantage math), ``multiagent``, ``models`` and ``cli``.
+
+Names that need torch (the learner base, the causal-LM policy base) load on first use, so that importing
+``palestra`` (and ``palestra plugins`` / ``palestra config show``) stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from palestra import _moved
+from palestra.hookspecs import PLUGIN_API, hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "hookimpl"]
+
+_moved.install()  # old module paths (palestra.algorithm, ...) keep working, with a DeprecationWarning
+
+# public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "option": "palestra.config",
+    "check_options": "palestra.config",
+    "ConfigError": "palestra.config",
+    "OptionError": "palestra.config",
+    "Message": "palestra.types",
+    "Observation": "palestra.types",
+    "StepResult": "palestra.types",
+    "Turn": "palestra.types",
+    "Episode": "palestra.types",
+    "RewardOutput": "palestra.types",
+    "Experience": "palestra.types",
+    "Generation": "palestra.types",
+    "SamplingParams": "palestra.types",
+    "Environment": "palestra.types",
+    "Reward": "palestra.types",
+    "Policy": "palestra.types",
+    "Generator": "palestra.types",
+    "PolicyOptimizer": "palestra.types",
+    "Logger": "palestra.types",
+    "TrainContext": "palestra.context",
+    "Algorithm": "palestra.engine.learner",
+    "AlgorithmOptions": "palestra.engine.learner",
+    "ParamGroup": "palestra.engine.learner",
+    "CausalLMPolicy": "palestra.models.policy",
+    "TokenScores": "palestra.models.policy",
+}
+
+__all__ = ["PLUGIN_API", "__version__", "hookimpl", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'palestra' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

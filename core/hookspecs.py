@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
 PROJECT = "palestra"
+# The version of this contract (the hooks below, the types, the context). A hook renamed or a type changed
+# incompatibly bumps the major part; the old name keeps working, with a DeprecationWarning, for one version.
+PLUGIN_API = "1.0"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
@@ -87,6 +90,11 @@ def on_train_start(trainer: Any, config: Any) -> None:
 @hookspec
 def on_train_end(trainer: Any, metrics: Mapping[str, float]) -> None:
     """Called once when training ends normally, with the last step's metrics."""
+
+
+@hookspec
+def on_step_start(trainer: Any, step: int) -> None:
+    """Before step ``step`` (0-based) begins its rollout, on every rank."""
 
 
 @hookspec

@@ -16,7 +16,7 @@ Environments deal in text. Tokenisation belongs to the policy, but an environmen
 Rewards are separate components that score ``(prompt, completion, metadata)`` rows; ``metadata`` is the
 environment's per-episode dictionary (for example the ground-truth answer), so a reward never needs to
 know which environment produced a row. Every reward a config builds is called through
-:class:`palestra.rewards.CheckedReward`, which rejects bad outputs with a one-line error naming the reward.
+:class:`palestra.engine.checked_reward.CheckedReward`, which rejects bad outputs with a one-line error naming the reward.
 
 Only :class:`Experience` and the episode records carry behaviour here; the rest are
 :class:`typing.Protocol` classes that plugins implement (structurally: no base class to inherit).
@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
     import torch
+
+    from palestra.context import TrainContext
 
 AgentId = str
 """Who acts: a role name such as ``"assistant"``, ``"retriever"`` or ``"responder"``."""
@@ -108,7 +110,7 @@ class Environment(Protocol):
     Lifecycle: ``obs = env.reset(batch_size, seed=..., group_size=G)``; then while some row is not done,
     ``res = env.step(actions)`` where ``actions[i]`` is the text the agent named in row ``i``'s latest
     observation produced (``None`` for rows already done), and ``res.observations`` are the next ones.
-    ``reset`` starts a new batch and forgets the old one. :func:`palestra.rollout.run_episodes` is the
+    ``reset`` starts a new batch and forgets the old one. :func:`palestra.engine.rollout.run_episodes` is the
     reference driver.
     """
 
@@ -366,7 +368,7 @@ class SamplingParams:
 
 
 class Policy(Protocol):
-    """A language model that acts: it encodes observations and scores tokens (see :class:`palestra.policy.CausalLMPolicy`).
+    """A language model that acts: it encodes observations and scores tokens (see :class:`palestra.models.policy.CausalLMPolicy`).
 
     Implementations own their tokenizer, device and dtype. ``score`` must be differentiable with respect
     to ``parameters()``: it is what an optimiser's loss is built from. Sampling is a generator's job
@@ -388,7 +390,7 @@ class Policy(Protocol):
         entropy: bool = True,
         values: bool = False,
     ) -> Any:
-        """A :class:`palestra.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked)."""
+        """A :class:`palestra.models.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked)."""
         ...
 
     def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]: ...
@@ -416,31 +418,44 @@ class Generator(Protocol):
 
 
 class PolicyOptimizer(Protocol):
-    """An RL algorithm (GRPO, PPO, RLOO, ...): owns its advantage estimate, its loss and its update.
+    """An RL algorithm (GRPO, PPO, RLOO, MAPPO, ...) as the trainer drives it: exactly the calls below.
 
-    Lifecycle, driven by the trainer: ``setup`` once; then per step ``prepare`` (advantages, returns,
-    reference log-probs: no gradients) and ``update`` (``train.updates_per_batch`` passes of
-    ``train.grad_accum`` micro-batches each, gradient clipping, the parameter step). Most algorithms
-    subclass :class:`palestra.algorithm.Algorithm`, which implements everything but the advantages and the loss.
+    Lifecycle: ``setup`` once with the run's :class:`~palestra.context.TrainContext`; then per step ``prepare``
+    (advantages, returns, reference log-probs: no gradients) and ``update`` (the optimiser steps); ``state_dict``
+    / ``load_state_dict`` for checkpoints (collective under FSDP2: every rank calls them). Most algorithms
+    subclass :class:`palestra.Algorithm`, the one learner loop, and supply only ``advantages`` and ``loss``.
     """
 
+    name: str  # the registered name; prefixes error messages
     needs_reference: bool  # True when the trainer must give setup() a frozen copy of the policy (a KL term)
+    routes_agents: bool  # scores each row with its agent's parameters (needed for agents.independent_layers)
+    shared_update_window: bool  # honours agents.update_frequency (steps the shared layers every N updates)
 
-    def setup(self, policy: Policy, train: Any, *, reference: Policy | None = None) -> None:
-        """Bind the policy (adding a value head if the algorithm needs one) and build the torch optimiser from ``train``."""
+    def setup(self, policy: Policy, context: TrainContext, *, reference: Policy | None = None) -> None:
+        """Bind the policy (adding a value head if the algorithm needs one) and build the optimisers."""
         ...
 
     def prepare(self, batch: Experience) -> Experience:
         """Fill in ``advantages`` (and ``returns``, ``old_values``, ``ref_logprobs`` as needed) for a fresh rollout."""
         ...
 
-    def loss(self, policy: Policy, batch: Experience) -> tuple[torch.Tensor, dict[str, float]]:
-        """The scalar loss on ``batch`` (differentiable) and metrics to log (KL, clip fraction, entropy, ...)."""
+    def update(self, policy: Policy, batch: Experience) -> dict[str, float]:
+        """Take the optimiser step(s) for ``batch``: backward, gradient clipping, parameter update. Returns metrics
+        (``train/skipped: 1.0`` when a non-finite loss or gradient skipped the step)."""
         ...
 
-    def update(self, policy: Policy, batch: Experience) -> dict[str, float]:
-        """Take the optimiser step(s) for ``batch``: backward, gradient clipping, parameter update. Returns metrics."""
-        ...
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A component with state to checkpoint (an environment's curriculum, a reward's moving averages).
+
+    Optional for environments and rewards: the trainer saves and restores the state of those that have both
+    methods, and nothing for the others.
+    """
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -477,6 +492,7 @@ __all__ = [
     "Reward",
     "RewardOutput",
     "SamplingParams",
+    "Stateful",
     "StepResult",
     "Turn",
 ]

@@ -102,6 +102,9 @@ class NativeLibrary:
         import torch
 
         h = hashlib.sha256()
+        # Where the sources live counts too: ninja's build file records absolute paths, so two installs of the same
+        # sources (a checkout and a copy) sharing one folder would rebuild over each other on every load.
+        h.update(str(csrc_dir().resolve()).encode())
         headers = sorted(csrc_dir().rglob("*.h")) + sorted(csrc_dir().rglob("*.cuh"))
         for f in [*files, *headers]:  # a changed header must not load a stale cached build
             h.update(f.name.encode())

@@ -16,7 +16,7 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from ._episodes import check_actions, draw_tasks
+from palestra.plugins.envs._episodes import check_actions, draw_tasks
 
 Operation = Literal["+", "-", "*"]
 

@@ -46,8 +46,8 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from ._episodes import draw_tasks, step_turns
-from ._support_kb import INTENTS, ITEMS, Entry, build_kb, segment, vocabulary
+from palestra.plugins.envs._episodes import draw_tasks, step_turns
+from palestra.plugins.envs._support_kb import INTENTS, ITEMS, Entry, build_kb, segment, vocabulary
 
 ROLES = ("intent", "retrieval", "response")
 STOP = "\n"

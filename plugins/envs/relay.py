@@ -24,7 +24,7 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from ._episodes import draw_tasks, step_turns
+from palestra.plugins.envs._episodes import draw_tasks, step_turns
 
 ROLES = ("planner", "retriever", "responder")
 

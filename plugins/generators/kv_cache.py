@@ -1,6 +1,6 @@
-"""Built-in generator ``kv_cache``: batched sampling with the policy's own KV cache (:mod:`palestra.sampling`).
+"""Built-in generator ``kv_cache``: batched sampling with the policy's own KV cache (:mod:`palestra.models.sampling`).
 
-It works with every :class:`palestra.policy.CausalLMPolicy` (the tiny transformer, HuggingFace models):
+It works with every :class:`palestra.models.policy.CausalLMPolicy` (the tiny transformer, HuggingFace models):
 temperature, top-p, EOS and stop tokens, stop strings (the sampling parameters' and each observation's),
 ``max_new_tokens`` (the sampling parameters', capped per row by each observation's). Other back ends (vLLM, ...) plug in as generators of their own.
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class KVCacheGenerator:
-    """A :class:`palestra.types.Generator` over :func:`palestra.sampling.generate`. It takes no options."""
+    """A :class:`palestra.types.Generator` over :func:`palestra.models.sampling.generate`. It takes no options."""
 
     def generate(
         self,
@@ -28,9 +28,7 @@ class KVCacheGenerator:
         *,
         generator: torch.Generator | None = None,
     ) -> Generation:
-        from palestra.sampling import (
-            generate,  # imported on first use, so loading this plugin does not import torch
-        )
+        from palestra.models.sampling import generate
 
         return generate(policy, observations, params, generator=generator)
 

@@ -2,7 +2,7 @@
 
 Each line is ``{"step": int, "time": unix seconds, **metrics}`` and is flushed as soon as it is written, so a
 run that crashes keeps everything it logged (at worst the last line is cut short, which
-:func:`palestra.plotting.read_metrics` tolerates). JSON has no NaN or infinity: non-finite numbers are
+:func:`palestra.cli.dashboard.read_metrics` tolerates). JSON has no NaN or infinity: non-finite numbers are
 written as ``null``. ``palestra plot RUN_DIR`` draws this file.
 """
 

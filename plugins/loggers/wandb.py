@@ -17,7 +17,7 @@ from typing import Any, Literal
 from palestra import hookimpl
 from palestra.config import OptionError, check_options
 
-from .tensorboard import MissingDependencyError
+from palestra.plugins.loggers.tensorboard import MissingDependencyError
 
 # Settings that keep an offline run quiet and self-contained: no console capture, no system-metrics sampler
 # thread, no git or pip inspection. Only those the installed wandb knows are passed (names changed over releases).

@@ -16,16 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from palestra import hookimpl
-from palestra.algorithm import (
-    Algorithm,
-    AlgorithmOptions,
-    KLEstimator,
-    LossAgg,
-    group_size_of,
-)
-from palestra.config import option
-from palestra.types import Experience
+from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra.rl import KLEstimator, LossAgg
 
 
 @dataclass
@@ -58,6 +50,7 @@ class GRPO(Algorithm):
 
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import group_advantages
+        from palestra.rl import group_size_of
 
         g = group_size_of(batch.group_ids, self.name)
         batch.advantages = group_advantages(batch.rewards, g, scale=self.options.scale, eps=self.options.std_eps)

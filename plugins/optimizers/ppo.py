@@ -6,7 +6,8 @@ advantages and value targets come from GAE (``palestra.kernels.gae`` with ``gamm
 values the policy's value head gave at rollout time (``batch.old_values``, computed in ``prepare``);
 advantages are whitened over the batch's valid tokens. The loss is the clipped surrogate, plus
 ``vf_coef`` times the clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with
-``V_clip = V_old + clip(V - V_old, -clip_value, clip_value)``, minus the entropy bonus.
+``V_clip = V_old + clip(V - V_old, -clip_value, clip_value)``, minus the entropy bonus (both from
+:mod:`palestra.rl`).
 
 Defaults follow TRL's ``PPOConfig`` (``gamma=1``, ``lam=0.95``, ``cliprange=0.2``,
 ``cliprange_value=0.2``, ``vf_coef=0.1``, ``kl_coef=0.05``, ``whiten_advantages``).
@@ -18,20 +19,10 @@ Defaults follow TRL's ``PPOConfig`` (``gamma=1``, ``lam=0.95``, ``cliprange=0.2`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from palestra import hookimpl
-from palestra.algorithm import (
-    Algorithm,
-    AlgorithmOptions,
-    KLEstimator,
-    kl_shaped_rewards,
-)
-from palestra.config import option
-from palestra.types import Experience
-
-if TYPE_CHECKING:
-    import torch
+from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra.rl import KLEstimator
 
 
 @dataclass
@@ -45,18 +36,6 @@ class PPOOptions(AlgorithmOptions):
     clip_value: float | None = option(0.2, gt=0)  # value clipping around the rollout values; None: no clipping
     vf_coef: float = option(0.1, ge=0)  # weight of the value loss
     whiten_advantages: bool = True
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var(R - V) / Var(R)`` over the valid tokens (population variances); 0 when Var(R) is 0."""
-    r = returns[mask].double()
-    v = values[mask].double()
-    if r.numel() == 0:
-        return 0.0
-    var_r = r.var(unbiased=False)
-    if float(var_r) <= 1e-12:
-        return 0.0
-    return float(1.0 - (r - v).var(unbiased=False) / var_r)
 
 
 class PPO(Algorithm):
@@ -78,6 +57,7 @@ class PPO(Algorithm):
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import gae
         from palestra.kernels.advantages import masked_whiten
+        from palestra.rl import explained_variance, kl_shaped_rewards
 
         o = self.options
         mask = batch.completion_mask
@@ -91,6 +71,8 @@ class PPO(Algorithm):
         return batch
 
     def loss(self, policy: Any, batch: Experience):
+        from palestra.rl import value_loss as rl_value_loss
+
         o = self.options
         if batch.returns is None or batch.old_values is None:
             raise ValueError(f"{self.name}: batch.returns and batch.old_values are missing; run prepare() first")
@@ -99,20 +81,14 @@ class PPO(Algorithm):
             scores, batch, clip_low=o.clip_eps, clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
             kl_estimator=o.kl_estimator,
         )
-        v, old, ret = scores.values, batch.old_values.to(scores.values.dtype), batch.returns.to(scores.values.dtype)
-        value_loss = 0.5 * (v - ret).square()
-        if o.clip_value is not None:
-            v_clipped = old + (v - old).clamp(-o.clip_value, o.clip_value)
-            value_loss = value_loss.maximum(0.5 * (v_clipped - ret).square())
         mask = batch.completion_mask
+        value_loss, _ = rl_value_loss(scores.values, batch.old_values, batch.returns, mask, o.clip_value)
         metrics["value/loss"] = self.metric_mean(value_loss, mask)
         per_token = per_token + o.vf_coef * value_loss
         return self.aggregate(per_token, mask), self.floats(metrics)
 
-    def update(self, policy: Any, batch: Experience) -> dict[str, float]:
-        metrics = super().update(policy, batch)
-        metrics["value/explained_var"] = self.explained_var
-        return metrics
+    def update_metrics(self) -> dict[str, float]:
+        return {"value/explained_var": self.explained_var}
 
 
 @hookimpl

@@ -26,10 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from palestra import hookimpl
-from palestra.algorithm import Algorithm, AlgorithmOptions, group_size_of
-from palestra.config import OptionError, option
-from palestra.types import Experience
+from palestra import Algorithm, AlgorithmOptions, Experience, OptionError, hookimpl, option
 
 if TYPE_CHECKING:
     import torch
@@ -76,9 +73,6 @@ class Reinforce(Algorithm):
         self.agents: dict[str, int] = {}  # agent id -> segment of the running statistics
         self.moments: RunningMoments | None = None
         self.buffer: deque[Experience] = deque(maxlen=max(1, self.options.replay_capacity))
-        # Set by the trainer under torchrun (palestra.distributed.DistributedContext): the running statistics are
-        # then merged over ranks every step, so every rank normalises with the global batch's statistics.
-        self.distributed: Any = None
 
     # ---- advantages -------------------------------------------------------------------------------------
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
@@ -108,7 +102,7 @@ class Reinforce(Algorithm):
 
         o = self.options
         r = batch.rewards.float()
-        dist = self.distributed if self.distributed is not None and self.distributed.enabled else None
+        dist = self.context.distributed if self.context.is_distributed else None
         if o.normalize and dist is not None:
             # Every rank registers every rank's agents in one order, folds its rows into the statistics, merges
             # the ranks' new moments (exact Chan merge, identical on every rank), then normalises with them:
@@ -126,6 +120,8 @@ class Reinforce(Algorithm):
         if o.baseline == "batch":
             r = r - r.mean()
         elif o.baseline == "group":
+            from palestra.rl import group_size_of
+
             g = group_size_of(batch.group_ids, self.name)
             r = (r.view(-1, g) - r.view(-1, g).mean(-1, keepdim=True)).reshape(-1)
         batch.advantages = r

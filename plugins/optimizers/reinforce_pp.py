@@ -13,15 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from palestra import hookimpl
-from palestra.algorithm import (
-    Algorithm,
-    AlgorithmOptions,
-    KLEstimator,
-    kl_shaped_rewards,
-)
-from palestra.config import option
-from palestra.types import Experience
+from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra.rl import KLEstimator
 
 
 @dataclass
@@ -48,6 +41,8 @@ class ReinforcePP(Algorithm):
         from palestra.kernels import discounted_returns
 
         o = self.options
+        from palestra.rl import kl_shaped_rewards
+
         rewards = kl_shaped_rewards(batch, o.kl_coef, o.kl_estimator)
         batch.advantages = discounted_returns(rewards, batch.completion_mask, o.gamma, whiten=True)
         return batch

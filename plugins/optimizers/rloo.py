@@ -14,16 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from palestra import hookimpl
-from palestra.algorithm import (
-    Algorithm,
-    AlgorithmOptions,
-    KLEstimator,
-    group_size_of,
-    kl_divergence,
-)
-from palestra.config import option
-from palestra.types import Experience
+from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra.rl import KLEstimator
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +43,8 @@ class RLOO(Algorithm):
 
     def sequence_rewards(self, batch: Experience) -> torch.Tensor:
         """``rewards - kl_coef * sum_t KL_t`` (float32 [B]); the plain rewards without a reference."""
+        from palestra.rl import kl_divergence
+
         rewards = batch.rewards.float()
         if self.options.kl_coef > 0:
             kl = kl_divergence(batch.behaviour_logprobs.float(), batch.ref_logprobs.float(), batch.completion_mask,
@@ -60,6 +54,7 @@ class RLOO(Algorithm):
 
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import rloo_advantages
+        from palestra.rl import group_size_of
 
         g = group_size_of(batch.group_ids, self.name)
         if g < 2:

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from palestra.config import check_options
-from palestra.policy import CausalLMPolicy
+from palestra.models.policy import CausalLMPolicy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .char_tokenizer import CharTokenizer
-from .tiny import TinyOptions
+from palestra.plugins.policies.char_tokenizer import CharTokenizer
+from palestra.plugins.policies.tiny import TinyOptions
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 

@@ -47,7 +47,7 @@ def check_vocabulary(alphabet: str, atoms: Sequence[str], unknown: str) -> tuple
 
 
 class CharTokenizer:
-    """Characters (and atoms) to ids and back; implements :class:`palestra.policy.Tokenizer`.
+    """Characters (and atoms) to ids and back; implements :class:`palestra.models.policy.Tokenizer`.
 
     ``encode`` adds no special tokens; characters outside the alphabet become ``<unk>`` (or are dropped when
     ``unknown="drop"``). ``decode`` skips ``<pad>``, ``<bos>`` and ``<eos>`` and renders ``<unk>`` as U+FFFD.

@@ -52,7 +52,7 @@ class HFOptions:
 
 # ---- the tokenizer adapter ---------------------------------------------------------------------------
 class HFTokenizer:
-    """A transformers tokenizer seen through :class:`palestra.policy.Tokenizer`.
+    """A transformers tokenizer seen through :class:`palestra.models.policy.Tokenizer`.
 
     ``encode`` adds no special tokens; ``decode`` drops them. ``pad_token_id`` falls back to EOS when the
     tokenizer has no pad token (common for base models). ``bos_token_id`` is set only when the tokenizer adds
@@ -166,7 +166,7 @@ def _dtype_kwarg() -> str:
 def _policy_class() -> type:
     """Define :class:`HFPolicy` (it subclasses a torch module, so torch is imported only here)."""
     import torch
-    from palestra.policy import CausalLMPolicy
+    from palestra.models.policy import CausalLMPolicy
 
     class HFPolicy(CausalLMPolicy):
         """A HuggingFace causal LM as a Palestra policy (see the module docstring and :class:`HFOptions`).

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from palestra import hookimpl
 from palestra.config import OptionError, option
 
-from .char_tokenizer import check_vocabulary
+from palestra.plugins.policies.char_tokenizer import check_vocabulary
 
 if TYPE_CHECKING:
-    from ._tiny_model import TinyTransformerPolicy
+    from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
 
 # Digits, the operators and what arithmetic prompts put between them. Anything else in a prompt becomes <unk>
 # (or is dropped with unknown="drop"); the answer tags are atoms.
@@ -57,7 +57,7 @@ class TinyOptions:
 def __getattr__(name: str) -> Any:
     # The model class is loaded (with torch) on first use; see the module docstring.
     if name == "TinyTransformerPolicy":
-        from ._tiny_model import TinyTransformerPolicy
+        from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
 
         return TinyTransformerPolicy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
 
 def build_tiny_policy(**options: Any) -> TinyTransformerPolicy:
     """The registered factory: a :class:`TinyTransformerPolicy` with these (validated) options."""
-    from ._tiny_model import TinyTransformerPolicy
+    from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
 
     return TinyTransformerPolicy(**options)
 

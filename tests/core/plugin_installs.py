@@ -25,9 +25,10 @@ PACKAGES = {
     "raising": REPO / "tests" / "fixtures" / "raising_plugin",  # register_rewards raises
     "misspelt": REPO / "tests" / "fixtures" / "misspelt_plugin",  # implements register_reward
     "duplicate": REPO / "tests" / "fixtures" / "duplicate_plugin",  # registers the example's reward name again
+    "fault": REPO / "tests" / "fixtures" / "fault_plugin",  # test-only fault injection through the lifecycle hooks
 }
 # The import names the packages install, so in-process tests can forget them afterwards.
-MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin")
+MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin", "palestra_fault_plugin")
 ENV_VARS = ("PALESTRA_LOAD_PLUGINS", "PALESTRA_TRACE_PLUGINS")
 
 _sites: dict[str, Path] | None = None

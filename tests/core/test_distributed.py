@@ -21,6 +21,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
 
 
@@ -44,9 +46,10 @@ def write_config(folder: Path, *, algorithm: str, options: dict[str, Any], train
     return path
 
 
-def torchrun(args: list[str], cwd: Path, *, timeout: float = 120, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **env_vars)
+def torchrun(args: list[str], cwd: Path, *, timeout: float = 120, sites: tuple[Path, ...] = (), **env_vars: str) -> subprocess.CompletedProcess[str]:
+    """``palestra train ARGS`` on 2 ranks; ``sites``: plugin install folders (the fault-injection plugin) on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(str(s) for s in sites), **env_vars)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "palestra", "train", *args]
     return subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -63,13 +66,13 @@ def assert_learns(values: list[float]) -> None:
     assert first <= 0.2 and last >= 0.4 and last - first >= 0.3, values
 
 
-def test_ddp_on_two_cpu_ranks_keeps_identical_weights_and_learns(tmp_path: Path) -> None:
+def test_ddp_on_two_cpu_ranks_keeps_identical_weights_and_learns(tmp_path: Path, sites: dict[str, Path]) -> None:
     # reinforce: its running reward statistics must be merged over the ranks, too.
     options = {"normalize": True, "norm_clip": 5.0, "baseline": "none", "entropy_coef": 0.0}
     config = write_config(tmp_path, algorithm="reinforce", options=options, train={"steps": 20})
     dump = tmp_path / "dump"
     started = time.perf_counter()
-    out = torchrun(["--config", str(config)], tmp_path, PALESTRA_TEST_DUMP_PARAMS=str(dump))
+    out = torchrun(["--config", str(config)], tmp_path, sites=(sites["fault"],), PALESTRA_TEST_DUMP_PARAMS=str(dump))
     seconds = time.perf_counter() - started
     assert out.returncode == 0, out.stderr[-3000:]
     assert "distributed: 2 ranks, gloo, ddp, 8 tasks per rank" in out.stdout
@@ -88,11 +91,11 @@ def test_ddp_on_two_cpu_ranks_keeps_identical_weights_and_learns(tmp_path: Path)
     print(f"ddp 2 ranks, 20 steps: {seconds:.1f} s")
 
 
-def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
+def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path, sites: dict[str, Path]) -> None:
     options = {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0}
     config = write_config(tmp_path, algorithm="grpo", options=options, train={"steps": 20}, strategy="fsdp")
     dump = tmp_path / "dump"
-    out = torchrun(["--config", str(config)], tmp_path, PALESTRA_TEST_DUMP_PARAMS=str(dump))
+    out = torchrun(["--config", str(config)], tmp_path, sites=(sites["fault"],), PALESTRA_TEST_DUMP_PARAMS=str(dump))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gloo, fsdp" in out.stdout
     a, b = (torch.load(dump / f"rank{r}.pt", weights_only=False)["params"] for r in (0, 1))
@@ -103,19 +106,20 @@ def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert_learns(rewards(run_dir))
 
 
-def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
+def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path: Path, sites: dict[str, Path]) -> None:
     options = {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0}
     config = write_config(tmp_path, algorithm="grpo", options=options, train={"steps": 50, "batch_size": 4}, timeout_s=20)
     started = time.perf_counter()
-    out = torchrun(["--config", str(config)], tmp_path, timeout=90, PALESTRA_TEST_DIE_AT_STEP="2")
+    out = torchrun(["--config", str(config)], tmp_path, timeout=90, sites=(sites["fault"],), PALESTRA_TEST_DIE_AT_STEP="2")
     seconds = time.perf_counter() - started
     assert out.returncode != 0
     assert seconds < 60, f"the surviving rank took {seconds:.0f} s to go"
     assert "trained 50 steps" not in out.stdout
+    assert "Root Cause" in out.stderr and "rank      : 1" in out.stderr  # the fault plugin killed rank 1, nothing else
 
 
 def test_an_uneven_split_of_the_batch_is_a_one_line_error() -> None:
-    from palestra.distributed import DistributedContext
+    from palestra.scale.distributed import DistributedContext
 
     ctx = DistributedContext(rank=1, world_size=2, backend="gloo")  # what two torchrun ranks see
     assert ctx.local_batch_size(16) == 8

@@ -1,4 +1,4 @@
-"""Multi-agent policies (palestra.multi_agent): parameter sharing by layer group, routing, update_frequency.
+"""Multi-agent policies (palestra.multiagent.sharing): parameter sharing by layer group, routing, update_frequency.
 
 Everything runs on the real tiny policy and the real customer_service environment (no stand-ins).
 """
@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from palestra.config import AgentsConfig, ConfigError, load_config
-from palestra.multi_agent import MultiAgentPolicy, wrap_policy
+from palestra.multiagent.sharing import MultiAgentPolicy, wrap_policy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.customer_service import (
     CustomerServiceEnv,
     tiny_policy_options,
 )
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.rollout import collect, generate_by_agent
-from palestra.trainer import Trainer
+from palestra.engine.rollout import collect, generate_by_agent
+from palestra.engine.trainer import Trainer
 from palestra.types import Observation, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")

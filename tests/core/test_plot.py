@@ -1,4 +1,4 @@
-"""palestra.plotting (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot` command."""
+"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot` command."""
 
 from __future__ import annotations
 
@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from palestra.plotting import (
-    MetricsFileWarning,
-    MetricsNotFoundError,
-    plan_panels,
-    plot_dashboard,
-    read_metrics,
-)
+from palestra.cli.dashboard import MetricsFileWarning, MetricsNotFoundError, plan_panels, plot_dashboard, read_metrics
 
 
 def training_records(steps: int = 12) -> list[dict[str, Any]]:

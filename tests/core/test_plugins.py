@@ -17,7 +17,7 @@ import pytest
 
 import plugin_installs
 from palestra import cli, plugin_manager
-from palestra.commands.plugins import PLURALS
+from palestra.cli.plugins import PLURALS
 from palestra.plugin_manager import DEFAULT_PLUGINS, BuiltinPluginError, PalestraPluginWarning, PluginError, PluginInfo
 from palestra.registry import RegistryError
 

@@ -1,5 +1,5 @@
-"""Mixed precision, non-finite step skipping and the memory savers of the update (palestra.precision,
-palestra.memory, palestra.algorithm.Algorithm.update), on the real tiny policy.
+"""Mixed precision, non-finite step skipping and the memory savers of the update (palestra.scale.precision,
+palestra.scale.micro_batching, palestra.engine.learner.Algorithm.update), on the real tiny policy.
 
 Gradients are compared through AdamW's first moment after one step, which is exactly ``(1 - beta1) * grad``.
 Out-of-memory is injected by a policy whose ``score`` raises the real ``torch.OutOfMemoryError`` above a
@@ -14,9 +14,10 @@ import math
 
 import pytest
 import torch
-from palestra.algorithm import Algorithm
+from palestra.context import TrainContext
+from palestra.engine.learner import Algorithm
 from palestra.config import ConfigError, TrainConfig
-from palestra.memory import (
+from palestra.scale.micro_batching import (
     OutOfMemory,
     activation_bytes_per_token,
     auto_token_budget,
@@ -28,7 +29,7 @@ from palestra.memory import (
 )
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
-from palestra.policy import CausalLMPolicy
+from palestra.models.policy import CausalLMPolicy
 from palestra.types import Experience
 
 torch.set_num_threads(1)
@@ -177,7 +178,7 @@ def test_a_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     poisoned = copy.deepcopy(batch)
     poisoned.advantages[3] = math.nan
     before = [p.detach().clone() for p in policy.parameters()]
-    with caplog.at_level(logging.WARNING, logger="palestra.algorithm"):
+    with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
         m = algo.update(policy, poisoned)
     assert m["train/skipped"] == 1.0 and all(math.isfinite(v) for v in m.values())
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
@@ -197,7 +198,7 @@ def test_a_non_finite_gradient_skips_the_step(caplog):
     algo = setup(policy)
     batch = algo.prepare(make_batch(policy))
     handle = policy.blocks[0].mlp.down.weight.register_hook(lambda g: torch.full_like(g, math.inf))
-    with caplog.at_level(logging.WARNING, logger="palestra.algorithm"):
+    with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
         m = algo.update(policy, batch)
     handle.remove()
     assert m["train/skipped"] == 1.0
@@ -206,9 +207,11 @@ def test_a_non_finite_gradient_skips_the_step(caplog):
 
 def test_grad_sync_hook_is_called_once_per_pass_before_clipping():
     policy = tiny()
-    algo = setup(policy, grad_accum=2, updates_per_batch=3)
     calls = []
-    algo.grad_sync = lambda params: calls.append((len(params), all(p.grad is not None for p in params)))
+    context = TrainContext(train=train(grad_accum=2, updates_per_batch=3),
+                           grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))))
+    algo = build("grpo")
+    algo.setup(policy, context)
     algo.update(policy, algo.prepare(make_batch(policy)))
     assert calls == [(len(algo.params), True)] * 3
 
@@ -283,7 +286,7 @@ def test_out_of_memory_halves_the_budget_and_the_gradient_stays_exact(caplog):
     OOMAbove.limit = 25
     policy = tiny(cls=OOMAbove)
     algo = setup(policy, "grpo", {"beta": 0.1}, auto_micro_batch=True)
-    with caplog.at_level(logging.WARNING, logger="palestra.algorithm"):
+    with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
         batch = algo.prepare(make_batch(tiny()))  # the reference scoring backs off too
         m = algo.update(policy, batch)
     assert m["train/skipped"] == 0.0

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from palestra import checkpoint as ckpt
+from palestra.engine import checkpoint as ckpt
 from palestra.config import ConfigError, validate_config
-from palestra.rewards import CheckedReward
-from palestra.trainer import Trainer, TrainingAborted
+from palestra.engine.checked_reward import CheckedReward
+from palestra.engine.trainer import Trainer, TrainingAborted
 
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
 STEPS, SAVE_EVERY, KEEP = 12, 3, 2
@@ -131,7 +131,7 @@ def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> Non
 
 
 def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path) -> None:
-    from palestra.commands.train import resume_config
+    from palestra.cli.train import resume_config
 
     raw = raw_config(tmp_path)
     torch.save({"step": 3, "config": validate_config(raw).to_dict()}, tmp_path / ckpt.FINAL_NAME)

@@ -26,7 +26,7 @@ ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
-# The lines `palestra train` prints on stderr before it builds anything (see palestra.commands.train.summary).
+# The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
 SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from palestra.config import ComponentBuildError, Config, to_plain, validate_config
 from palestra.plugins.envs.relay import ROLES
-from palestra.rollout import Rollout, collect
-from palestra.trainer import Trainer, derive_seed
+from palestra.engine.rollout import Rollout, collect
+from palestra.engine.trainer import Trainer, derive_seed
 from palestra.types import Message, Observation, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")

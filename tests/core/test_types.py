@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from palestra.rollout import reward_rows, run_episodes
+from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.types import Environment, Episode, Experience, Observation, StepResult, Turn
 
 

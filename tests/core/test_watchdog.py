@@ -15,7 +15,7 @@ from pathlib import Path
 
 import plugin_installs
 import pytest
-from palestra.watchdog import DataTimeout, StepWatchdog, call_with_timeout
+from palestra.engine.watchdog import DataTimeout, StepWatchdog, call_with_timeout
 
 MESSAGE = "palestra: step watchdog: phase '{phase}' of step {step} has run"
 
@@ -33,7 +33,7 @@ def test_a_hung_phase_exits_70_with_the_phase_and_every_stack(tmp_path: Path) ->
     result, seconds = run_script(
         """
         import threading, time
-        from palestra.watchdog import StepWatchdog
+        from palestra.engine.watchdog import StepWatchdog
 
         def score_completions_slowly():
             time.sleep(60)

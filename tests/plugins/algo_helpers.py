@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from palestra.config import TrainConfig
-from palestra.policy import CausalLMPolicy
+from palestra.models.policy import CausalLMPolicy
 from palestra.types import Experience
 
 VOCAB = 13  # not a power of two

@@ -1,4 +1,4 @@
-"""The built-in RL algorithms (palestra.algorithm + plugins/optimizers) on a tiny real policy.
+"""The built-in RL algorithms (palestra.engine.learner + plugins/optimizers) on a tiny real policy.
 
 Every loss and advantage is checked against a float64 hand computation written out here (log-probs from
 a plain-torch path that does not use palestra's kernels), with clipping active.
@@ -20,13 +20,7 @@ from algo_helpers import (
     train_config,
     with_behaviour,
 )
-from palestra.algorithm import (
-    Algorithm,
-    group_size_of,
-    kl_divergence,
-    last_token_rewards,
-    lr_factor,
-)
+from palestra.engine.learner import Algorithm
 from palestra.config import ConfigError
 from palestra.plugin_manager import get_registry
 
@@ -90,44 +84,8 @@ def test_defaults():
     assert build("ppo").needs_value_head and not g.needs_value_head
 
 
-# ---- shared math ----------------------------------------------------------------------------------------
-def test_kl_estimators_match_schulman_formulas():
-    logp = torch.tensor([[-1.0, -2.0, -0.3]])
-    ref = torch.tensor([[-1.5, -0.5, -9.0]])
-    mask = torch.tensor([[True, True, False]])
-    d = [(-1.5) - (-1.0), (-0.5) - (-2.0)]  # log(pi_ref / pi) per valid token
-    want = {
-        "k1": [-d[0], -d[1], 0.0],
-        "k2": [0.5 * d[0] ** 2, 0.5 * d[1] ** 2, 0.0],
-        "k3": [math.exp(d[0]) - 1 - d[0], math.exp(d[1]) - 1 - d[1], 0.0],
-    }
-    for est, values in want.items():
-        got = kl_divergence(logp, ref, mask, est)
-        torch.testing.assert_close(got, torch.tensor([values]), rtol=1e-6, atol=1e-7)
-    assert (kl_divergence(logp, ref, mask, "k3") >= 0).all()
-    with pytest.raises(ValueError, match="unknown estimator 'k4'"):
-        kl_divergence(logp, ref, mask, "k4")
-
-
-def test_group_size_of_checks_structure():
-    assert group_size_of(torch.tensor([3, 3, 1, 1, 9, 9]), "grpo") == 2
-    with pytest.raises(ValueError, match=r"^grpo: batch.group_ids \[6\] must keep each group's rows consecutive; group 0 appears again at row 4$"):
-        group_size_of(torch.tensor([0, 0, 1, 1, 0, 0]), "grpo")
-    with pytest.raises(ValueError, match=r"same size \(train.group_size\); got sizes \[1, 2, 3\]"):
-        group_size_of(torch.tensor([0, 0, 0, 1, 1, 2]), "grpo")
-
-
-def test_last_token_rewards():
-    mask = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
-    out = last_token_rewards(torch.tensor([2.0, 5.0, -1.0]), mask)
-    assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
-
-
-def test_lr_schedules():
-    lin = lr_factor("linear", 2, 6)
-    assert [lin(s) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
-    cos = lr_factor("cosine", 0, 4)
-    assert [round(cos(s), 6) for s in range(4)] == [1.0, round(0.5 * (1 + math.cos(math.pi / 4)), 6), 0.5, round(0.5 * (1 + math.cos(3 * math.pi / 4)), 6)]
+# ---- the learner's schedule (the schedule functions: tests/core/test_rl_math.py) ---------------------------
+def test_the_learner_follows_the_lr_schedule():
     policy = ToyPolicy()
     algo = build("grpo")
     algo.setup(policy, train_config(lr=0.1, warmup_steps=2, steps=6, lr_schedule="linear"))
@@ -270,7 +228,7 @@ def test_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     batch = algo.prepare(shifted_batch(policy))
     batch.advantages[2] = float("nan")
     before = [p.detach().clone() for p in policy.parameters()]
-    with caplog.at_level("WARNING", logger="palestra.algorithm"):
+    with caplog.at_level("WARNING", logger="palestra.engine.learner"):
         metrics = algo.update(policy, batch)
     assert metrics["train/skipped"] == 1.0
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))

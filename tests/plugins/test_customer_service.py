@@ -17,7 +17,7 @@ from palestra.plugins.envs.customer_service import (
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.char_tokenizer import CharTokenizer
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.rollout import collect, reward_rows, run_episodes
+from palestra.engine.rollout import collect, reward_rows, run_episodes
 from palestra.types import Environment, Observation, SamplingParams
 
 JOINT = {"name": "weighted_sum", "options": {"components": [

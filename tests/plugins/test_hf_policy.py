@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.config import ConfigError, build_component
-from palestra.policy import CausalLMPolicy
+from palestra.models.policy import CausalLMPolicy
 from palestra.types import Message, Observation, SamplingParams
 
 pytest.importorskip("transformers")
@@ -268,7 +268,7 @@ def test_not_a_causal_lm(folders: dict[str, Path]) -> None:
     assert_one_line(err, "policy.options.path:", repr(str(folders["t5"])), "'t5'", "not a causal language model")
 
 
-# ---- sampling through palestra.sampling ------------------------------------------------------------------
+# ---- sampling through palestra.models.sampling ------------------------------------------------------------------
 def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, stops: list[int]) -> list[list[int]]:
     """``model.generate(do_sample=False)`` from the same left-padded prompts, each row cut after its first stop.
 
@@ -295,7 +295,7 @@ def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: tor
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_sampling_matches_hf_generate(policies: dict[str, CausalLMPolicy], name: str) -> None:
-    sampling = pytest.importorskip("palestra.sampling", reason="palestra.sampling (the KV-cache sampler) is not in the tree yet")
+    sampling = pytest.importorskip("palestra.models.sampling", reason="palestra.models.sampling (the KV-cache sampler) is not in the tree yet")
     policy = policies[name]
     eos = policy.tokenizer.eos_token_id
     policy.eval()
@@ -324,7 +324,7 @@ def test_a_padded_output_head_never_yields_ids_the_tokenizer_lacks(policies: dic
     assert rows > n  # the fixture pads its embedding, as Qwen does
     weight = policy.model.get_output_embeddings().weight
     saved = weight.detach().clone()
-    sampling = pytest.importorskip("palestra.sampling")
+    sampling = pytest.importorskip("palestra.models.sampling")
     try:
         with torch.no_grad():  # make a padded row the most likely token everywhere: it still must never appear
             weight[n:] = weight[:1] * 50

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from palestra.config import ConfigError, build_component
-from palestra.plotting import MetricsFileWarning, read_metrics
+from palestra.cli.dashboard import MetricsFileWarning, read_metrics
 from palestra.plugin_manager import get_registry
 
 CONFIG = {"run": {"name": "demo", "seed": 0}, "train": {"steps": 25, "lr": 1e-4}}

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from palestra.config import AgentsConfig, TrainConfig
-from palestra.multi_agent import MultiAgentPolicy
+from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.rollout import collect, credit_rewards
+from palestra.engine.rollout import collect, credit_rewards
 from palestra.types import Observation, RewardOutput, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")

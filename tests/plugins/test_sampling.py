@@ -1,4 +1,4 @@
-"""palestra.sampling and the ``kv_cache`` generator, driving the real ``tiny`` policy."""
+"""palestra.models.sampling and the ``kv_cache`` generator, driving the real ``tiny`` policy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.sampling import generate, pick_tokens, sample
+from palestra.models.sampling import generate, pick_tokens, sample
 from palestra.types import Generation, Observation, SamplingParams
 
 PROMPTS = ["1 + 2 = ?", "34 * 5 =", "7", "12 - 9 + 40 = ?", "?", "0 0 0"]

@@ -1,0 +1,74 @@
+"""One typed configuration tree: loading (YAML or TOML), ``key=value`` overrides, validation, component building.
+
+A config is plain data checked against dataclasses. Sections (``run``, ``train``, ``kernels``) are dataclasses
+(:mod:`.schema`); component nodes (``environment``, ``reward``, ``policy``, ``optimizer``, ``generator``,
+``loggers``) are ``{name: <registered name>, options: {...}}`` whose options are checked against the dataclass
+the component's plugin registered (``register(name, factory, options=Options)``). Nested component nodes (the
+layers of a ``layered`` reward) are fields typed as a :class:`ComponentSpec` subclass, checked the same way.
+
+Every problem is a :class:`ConfigError` whose message is one line starting with the full dotted path of
+the culprit::
+
+    train.lr: expected a float, got 'fast'
+    reward.options.layers[1].unlock_at: must be <= 1, got 2.0
+    trian: unknown key; did you mean 'train'?
+
+Field constraints: annotate with a type (``int``, ``float``, ``str``, ``bool``, ``Literal[...]``,
+``X | None``, ``list[X]``, ``dict[str, X]``, a dataclass, a ComponentSpec subclass) and use
+:func:`option` for bounds; a dataclass's ``__post_init__`` may raise :class:`OptionError` for checks
+across fields.
+
+The modules: :mod:`.schema` (the tree and the default run), :mod:`.validation` (plain data -> typed tree),
+:mod:`.loading` (files and overrides), :mod:`.building` (a node -> its component), :mod:`.errors`.
+"""
+
+from .building import build_component
+from .errors import ComponentBuildError, ConfigError, OptionError
+from .loading import _set_path, load_config, parse_override, read_config_file, validate_config
+from .schema import (
+    SPEC_TYPES,
+    AgentsConfig,
+    ComponentSpec,
+    Config,
+    DistributedConfig,
+    EnvironmentSpec,
+    GeneratorSpec,
+    KernelsConfig,
+    LoggerSpec,
+    OptimizerSpec,
+    PolicySpec,
+    RewardSpec,
+    RunConfig,
+    TrainConfig,
+    option,
+)
+from .validation import check_options, default_registry, to_plain
+
+__all__ = [
+    "SPEC_TYPES",
+    "AgentsConfig",
+    "ComponentBuildError",
+    "ComponentSpec",
+    "Config",
+    "ConfigError",
+    "DistributedConfig",
+    "EnvironmentSpec",
+    "GeneratorSpec",
+    "KernelsConfig",
+    "LoggerSpec",
+    "OptimizerSpec",
+    "OptionError",
+    "PolicySpec",
+    "RewardSpec",
+    "RunConfig",
+    "TrainConfig",
+    "build_component",
+    "check_options",
+    "default_registry",
+    "load_config",
+    "option",
+    "parse_override",
+    "read_config_file",
+    "to_plain",
+    "validate_config",
+]

@@ -1,0 +1,223 @@
+"""The config tree's shape: sections as dataclasses, component nodes as :class:`ComponentSpec`, and
+:func:`option` for a field's bounds. The built-in default run lives here too (``Config()``)."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any, ClassVar, Literal
+
+from palestra.registry import KINDS, Registry
+
+from .errors import OptionError
+
+# ---- declaring options -------------------------------------------------------------------------------
+def option(
+    default: Any = MISSING,
+    *,
+    default_factory: Any = MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field with bounds checked at validation (``None`` values skip the bounds)."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata={"bounds": bounds})
+    return field(default=default, metadata={"bounds": bounds})
+
+
+@dataclass
+class ComponentSpec:
+    """A config node naming a registered component: ``{name: ..., options: {...}}``.
+
+    Before validation ``options`` is a mapping; after it, an instance of the options dataclass the
+    component registered (``None`` when it takes none) and ``path`` is where the node sits in the config.
+    Subclasses fix the kind and may add fields of their own (a weighted-sum term adds ``weight``).
+    """
+
+    KIND: ClassVar[str] = ""
+
+    name: str
+    options: Any = field(default_factory=dict)
+    path: str = field(default="", init=False, repr=False, compare=False)
+
+    def build(self, *, registry: Registry | None = None) -> Any:
+        """Build the component this node describes (see :func:`build_component`)."""
+        from .building import build_component  # building validates through this module's classes
+
+        return build_component(self.KIND, self, path=self.path or self.KIND, registry=registry)
+
+
+@dataclass
+class EnvironmentSpec(ComponentSpec):
+    KIND: ClassVar[str] = "environment"
+
+
+@dataclass
+class RewardSpec(ComponentSpec):
+    KIND: ClassVar[str] = "reward"
+
+
+@dataclass
+class OptimizerSpec(ComponentSpec):
+    KIND: ClassVar[str] = "optimizer"
+
+
+@dataclass
+class PolicySpec(ComponentSpec):
+    KIND: ClassVar[str] = "policy"
+
+
+@dataclass
+class LoggerSpec(ComponentSpec):
+    KIND: ClassVar[str] = "logger"
+
+
+@dataclass
+class GeneratorSpec(ComponentSpec):
+    KIND: ClassVar[str] = "generator"
+
+
+SPEC_TYPES: dict[str, type[ComponentSpec]] = {
+    cls.KIND: cls for cls in (EnvironmentSpec, RewardSpec, OptimizerSpec, PolicySpec, LoggerSpec, GeneratorSpec)
+}
+assert set(SPEC_TYPES) == set(KINDS), "every component kind needs a spec type"
+
+
+# ---- the config tree ---------------------------------------------------------------------------------
+@dataclass
+class RunConfig:
+    name: str = "arithmetic"
+    seed: int = option(0, ge=0)
+    output_dir: str = "runs"  # checkpoints and logs go to <output_dir>/<name>
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process training under torchrun (ignored in a single process)."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, parameters sharded across ranks
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = option(600.0, gt=0)  # a collective waiting longer (a dead rank) fails every rank
+
+
+@dataclass
+class AgentsConfig:
+    """Multi-agent training: which policy layers the agents share, and how rewards are credited.
+
+    Layer names are the policy's layer groups (the tiny and HF policies: ``embedding``, ``encoder``,
+    ``decoder``). Every group is in exactly one list; all shared or all independent are special cases.
+    """
+
+    shared_layers: list[str] = field(default_factory=lambda: ["embedding", "encoder", "decoder"])
+    independent_layers: list[str] = field(default_factory=list)
+    update_frequency: int = option(1, ge=1)  # the shared layers take one optimiser step every N updates
+    credit: Literal["team", "role"] = "team"  # team: the episode's reward for every agent; role: each agent's own
+
+
+@dataclass
+class KernelsConfig:
+    backend: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"  # auto: chosen per device
+
+
+@dataclass
+class TrainConfig:
+    """The training loop's knobs. ``batch_size`` tasks per step, each answered ``group_size`` times."""
+
+    steps: int = option(200, ge=1)
+    batch_size: int = option(8, ge=1)  # tasks (prompts) per step
+    group_size: int = option(4, ge=1)  # completions per task (GRPO's G)
+    lr: float = option(1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = option(0, ge=0)
+    weight_decay: float = option(0.0, ge=0)
+    max_grad_norm: float | None = option(1.0, gt=0)  # None: no clipping
+    grad_accum: int = option(1, ge=1)  # micro-batches per optimiser step
+    updates_per_batch: int = option(1, ge=1)  # passes over each rollout (TRL num_iterations, PPO epochs)
+    max_new_tokens: int = option(64, ge=1)
+    temperature: float = option(1.0, ge=0)
+    top_p: float = option(1.0, gt=0, le=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"  # auto: cuda if available, else cpu
+    log_every: int = option(1, ge=1)
+    eval_every: int = option(0, ge=0)  # held-out evaluation every N steps (0: only before and after training)
+    eval_size: int = option(64, ge=1)  # held-out tasks per evaluation (greedy decoding, every reward layer counted)
+    reward_ema: float = option(0.9, ge=0, lt=1)  # decay of the logged reward moving average (reward/ema)
+    track_update_ratio: bool = True  # log ||Δθ||/||θ|| (grad/update_ratio); costs one copy of the weights per step
+    save_every: int = option(0, ge=0)  # checkpoint every N steps; 0: only at the end
+    keep_checkpoints: int = option(3, ge=1)  # the newest K step checkpoints are kept
+    # Mixed precision (torch.amp autocast): compute in bf16/fp16 while weights stay in `dtype`; fp16 adds dynamic
+    # loss scaling. Log-probs and losses are fp32 whatever this is.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward pass
+    token_budget: int | None = option(None, ge=1)  # micro-batches of at most this many tokens (prompt + completion)
+    auto_micro_batch: bool = False  # size micro-batches from free memory; halve them on out-of-memory
+    offload_reference: bool = False  # keep the frozen reference policy in CPU memory
+    offload_optimizer: bool = False  # keep optimiser state (and an fp32 master copy) in CPU memory
+    # Resilience: a step (rollout, reward, update or data) longer than this dumps every thread's stack and exits.
+    step_timeout_s: float | None = option(None, gt=0)
+    data_timeout_s: float | None = option(120.0, gt=0)  # one environment reset/step longer than this fails the run
+    max_bad_steps: int = option(3, ge=1)  # non-finite loss or reward: skip the step; this many in a row abort
+
+    def __post_init__(self) -> None:
+        rows = self.batch_size * self.group_size
+        if rows % self.grad_accum:
+            raise OptionError(
+                "grad_accum", f"must divide batch_size * group_size = {rows} (rows per step), got {self.grad_accum}"
+            )
+
+
+def _default_environment() -> EnvironmentSpec:
+    # Sums of two operands in 0..4: 25 facts a ~130k-parameter model learns from random weights by RL alone
+    # in a few minutes on 2 CPU cores (all 100 one-digit sums stay at chance level in that budget). A short
+    # prompt: the built-in policy reads characters, so every prompt character costs compute.
+    return EnvironmentSpec("arithmetic", {"difficulty": 1, "max_operand": 4, "prompt": "{question} ="})
+
+
+def _default_reward() -> RewardSpec:
+    # The built-in curriculum: reward the answer format first; correctness joins once the format is learnt.
+    return RewardSpec(
+        "layered",
+        {
+            "layers": [
+                # format: the whole completion is one <answer> tag holding a number. Anchored, so that text
+                # around the tag earns nothing: otherwise the entropy bonus is spent on filler around a
+                # collapsed answer instead of keeping the answer digits diverse.
+                {"name": "format", "options": {"pattern": "^<answer>-?[0-9]+</answer>$"}},
+                {"name": "correctness", "unlock_at": 0.5},
+            ]
+        },
+    )
+
+
+def _default_train() -> TrainConfig:
+    # Sized for the built-in task and policy (a ~130k-parameter model from random weights, answers of a few
+    # tokens): a learning rate far above what a pretrained LLM wants. A config file's own `train` section
+    # starts from the TrainConfig defaults instead.
+    return TrainConfig(steps=2000, batch_size=16, group_size=8, lr=1e-3, max_new_tokens=6)
+
+
+@dataclass
+class Config:
+    """The whole configuration. ``Config()`` (all defaults) describes the built-in task."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    environment: EnvironmentSpec = field(default_factory=_default_environment)
+    reward: RewardSpec = field(default_factory=_default_reward)
+    policy: PolicySpec = field(default_factory=lambda: PolicySpec("tiny"))
+    optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("grpo", {"entropy_coef": 0.05}))
+    generator: GeneratorSpec = field(default_factory=lambda: GeneratorSpec("kv_cache"))
+    loggers: list[LoggerSpec] = field(default_factory=lambda: [LoggerSpec("console"), LoggerSpec("jsonl")])
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    train: TrainConfig = field(default_factory=_default_train)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    agents: AgentsConfig | None = None  # None: one policy for every agent (the single-agent case)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (dicts, lists, scalars) with every default filled in; what ``palestra config show`` prints."""
+        from .validation import to_plain
+
+        return to_plain(self)
+
+

@@ -1,0 +1,409 @@
+"""The training loop, and nothing else: rollout -> reward -> advantages -> update -> metrics, once per step.
+
+Data flows one way (see ARCHITECTURE.md): the environment makes observations, the generator samples
+completions from the policy, the reward scores finished episodes, the policy optimiser turns the scored
+batch into an update, and the metrics go to the loggers and the lifecycle hooks. Nothing downstream
+reaches back upstream.
+
+Determinism: the run seed fixes the initial weights, every step's tasks (a seed per step drawn from the run
+seed) and every step's sampling (a ``torch.Generator`` per step), so the same seed gives the same numbers
+on the same machine and thread count, and a run resumed from a checkpoint continues bitwise as if it had
+never stopped (see :mod:`palestra.engine.checkpoint`).
+
+Under torchrun (:mod:`palestra.scale.distributed`) each rank plays ``train.batch_size / world_size`` tasks from its
+own seed stream, the reward scores the global batch (so a curriculum advances identically on every rank),
+gradients are averaged (ddp) or reduce-scattered (fsdp), metrics are averaged, and rank 0 alone logs and
+writes checkpoints. Resilience: every phase of a step runs under a :class:`~palestra.engine.watchdog.StepWatchdog`
+(``train.step_timeout_s``), environment calls under ``train.data_timeout_s``, and a step whose reward or
+update is not finite is skipped with a warning; ``train.max_bad_steps`` skipped steps in a row end the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from palestra.config import Config, build_component
+from palestra.context import TrainContext
+from palestra.engine import checkpoint as ckpt
+from palestra.engine.rollout import Rollout, collect, credit_rewards
+from palestra.engine.watchdog import StepWatchdog, call_with_timeout
+from palestra.multiagent.sharing import wrap_policy
+from palestra.plugin_manager import get_plugin_manager
+from palestra.scale.distributed import DistributedContext
+from palestra.types import Experience, SamplingParams, Stateful
+
+__all__ = ["EvalResult", "TrainResult", "Trainer", "TrainingAborted", "derive_seed"]
+
+
+class TrainingAborted(RuntimeError):
+    """``train.max_bad_steps`` steps in a row were skipped (non-finite reward or update). One line."""
+
+    palestra_user_error = True
+
+
+class NonFiniteStepWarning(UserWarning):
+    """A step was skipped because its reward or its update was not finite."""
+
+
+class _TimedEnvironment:
+    """An environment whose ``reset`` and ``step`` run under ``train.data_timeout_s`` and the watchdog's "data" phase."""
+
+    def __init__(self, env: Any, timeout_s: float | None, watchdog: StepWatchdog) -> None:
+        self._env, self._timeout_s, self._watchdog = env, timeout_s, watchdog
+
+    def reset(self, *args: Any, **kwargs: Any) -> Any:
+        with self._watchdog.phase("data"):
+            return call_with_timeout(lambda: self._env.reset(*args, **kwargs), self._timeout_s, f"{type(self._env).__name__}.reset")
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._watchdog.phase("data"):
+            return call_with_timeout(lambda: self._env.step(*args, **kwargs), self._timeout_s, f"{type(self._env).__name__}.step")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+def derive_seed(seed: int, stream: str, index: int = 0) -> int:
+    """A 63-bit seed for ``(seed, stream, index)``: independent streams (training tasks, held-out tasks, sampling)."""
+    return random.Random(f"palestra/{seed}/{stream}/{index}").getrandbits(63)
+
+
+@dataclass
+class EvalResult:
+    """Held-out reward: mean total and mean per component, over ``tasks`` tasks (greedy decoding)."""
+
+    reward: float
+    components: dict[str, float]
+    tasks: int
+    max_score: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reward": self.reward, "components": dict(self.components), "tasks": self.tasks, "max_score": self.max_score}
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        out = {f"{prefix}/reward": self.reward}
+        out.update({f"{prefix}/{k}": v for k, v in self.components.items()})
+        return out
+
+
+@dataclass
+class TrainResult:
+    before: EvalResult
+    after: EvalResult
+    last_metrics: dict[str, float]
+    run_dir: Path
+    steps: int
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    """Builds every component from a validated :class:`~palestra.config.Config`, then trains (see the module docstring)."""
+
+    def __init__(self, config: Config, *, run_dir: str | Path | None = None) -> None:
+        from palestra.kernels import set_backend
+
+        self.config = config
+        t = config.train
+        seed = config.run.seed
+        random.seed(seed)
+        torch.manual_seed(seed)  # the policy's initial weights (the same on every rank)
+        set_backend(config.kernels.backend)
+        self.dist = DistributedContext.from_config(config, t.device)
+        self.local_batch_size = self.dist.local_batch_size(t.batch_size)
+        self.device = self.dist.device
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(config.run.output_dir) / config.run.name
+
+        # Cheap components first, so a bad environment or reward stops the run before a model is loaded.
+        self.env = build_component("environment", config.environment, path="environment")
+        self.eval_env = build_component("environment", config.environment, path="environment")
+        self.reward = build_component("reward", config.reward, path="reward")
+        # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
+        specs = config.loggers if self.dist.is_main else []
+        self.loggers = [build_component("logger", spec, path=f"loggers[{i}]") for i, spec in enumerate(specs)]
+        self.generator = build_component("generator", config.generator, path="generator")
+        self.algorithm = build_component("optimizer", config.optimizer, path="optimizer")
+        self.policy = build_component("policy", config.policy, path="policy")
+        self.policy.to(device=self.device, dtype=getattr(torch, t.dtype))
+        self.dist.broadcast_module(self.policy)  # identical starting weights, however the policy was made
+        # multi-agent (issue 6): per-agent views sharing agents.shared_layers; unchanged when config.agents is None
+        self.policy = wrap_policy(self.policy, config.agents, self.env, self.algorithm)
+        self.reference = None
+        if self.algorithm.needs_reference:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.dist.shard(self.policy)  # FSDP2 (distributed.strategy=fsdp); a no-op otherwise
+        # Everything the optimiser needs from the run, handed over explicitly: device, ranks, precision, gradient
+        # averaging, the config.
+        self.context = TrainContext.for_run(config, self.dist)
+        self.algorithm.setup(self.policy, self.context, reference=self.reference)
+        self.hooks = get_plugin_manager().hook
+        self.watchdog = StepWatchdog(t.step_timeout_s)
+        self.step = 0
+        self.reward_ema: float | None = None
+        self.bad_steps = 0  # consecutive skipped steps
+        self.before: EvalResult | None = None  # the held-out reward before training (restored on resume)
+        self._log_sizes: dict[str, int] = {}  # logged file sizes at the loaded checkpoint
+        self.sampling = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[Rollout, Experience, dict[str, float]]:
+        """Sample and score one batch: ``train.batch_size`` tasks x ``train.group_size`` completions."""
+        t, seed = self.config.train, self.config.run.seed
+        # One process: the historical streams. Several: each rank its own task and sampling stream.
+        stream = "" if not self.dist.enabled else f"/rank{self.dist.rank}"
+        gen = torch.Generator(device=self.device).manual_seed(derive_seed(seed, "sampling" + stream, step))
+        self.policy.eval()
+        started = time.perf_counter()
+        with self.watchdog.phase("rollout"), self.dist.gathered(self.policy):
+            ro = collect(
+                _TimedEnvironment(self.env, t.data_timeout_s, self.watchdog), self.policy, self.generator,
+                self.sampling, self.local_batch_size, group_size=t.group_size,
+                seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
+            )
+        gen_s = time.perf_counter() - started
+        with self.watchdog.phase("reward"):
+            scored, global_mean = self.score_rows(*ro.reward_rows())
+        # multi-agent (issue 6): agents.credit "role" gives each agent's rows its own turn's reward; per-agent metrics
+        agent_scores, agent_metrics = None, {}
+        if self.config.agents is not None:
+            agent_scores, agent_metrics = credit_rewards(self.reward, ro, self.env.agent_ids, self.config.agents.credit, scored)
+        batch = ro.experience(scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id,
+                              agent_scores=agent_scores)
+        mean = global_mean
+        decay = t.reward_ema
+        self.reward_ema = mean if self.reward_ema is None else decay * self.reward_ema + (1 - decay) * mean
+        generated = int(batch.completion_mask.sum())
+        metrics = {
+            "reward/mean": mean,
+            "reward/ema": self.reward_ema,
+            **{f"reward/{k}": float(v.float().mean()) for k, v in scored.components.items()},
+            **{f"curriculum/{k}": v for k, v in scored.metrics.items()},
+            "response/length": generated / max(1, batch.batch_size),
+            "perf/gen_tokens_per_s": generated / max(gen_s, 1e-9),
+            **agent_metrics,
+        }
+        best = self.reward.max_score
+        if best is not None:
+            metrics["reward/max"] = best
+        return ro, batch, metrics
+
+    def score_rows(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> tuple[Any, float]:
+        """The reward on this rank's rows, and the global batch's mean score.
+
+        Under torchrun every rank scores the *global* batch (the rows of every rank, in rank order) and keeps its
+        own slice: a stateful reward (a curriculum that unlocks a layer once a moving average is high enough)
+        then sees exactly what one process would and moves identically on every rank.
+        """
+        if not self.dist.enabled:
+            out = self.reward(prompts, completions, metadata)
+            return out, float(out.scores.mean())
+        parts = self.dist.all_gather_object((prompts, completions, metadata))
+        start = sum(len(p[1]) for p in parts[: self.dist.rank])
+        rows = slice(start, start + len(completions))
+        out = self.reward(*([x for p in parts for x in p[i]] for i in range(3)))
+        mean = float(out.scores.mean())
+        out.scores = out.scores[rows]
+        out.components = {k: v[rows] for k, v in out.components.items()}
+        return out, mean
+
+    def train_step(self) -> dict[str, float]:
+        """One rollout and one update; returns the step's metrics (also sent to the loggers and hooks)."""
+        started = time.perf_counter()
+        step = self.step
+        self.watchdog.set_step(step)
+        self.hooks.on_step_start(trainer=self, step=step)
+        try:
+            _, batch, metrics = self.rollout(step)
+        except Exception as e:
+            if not _nonfinite_reward(e):
+                raise
+            return self._skip(step, f"the reward is not finite ({e})", {}, started)
+        self.hooks.on_rollout_end(trainer=self, step=step, batch=batch)
+        self.policy.train()
+        with self.watchdog.phase("update"):
+            batch = self.algorithm.prepare(batch.validate())
+            metrics.update(self.algorithm.update(self.policy, batch))
+        if metrics.get("train/skipped", 0.0):
+            return self._skip(step, "the loss or the gradient norm is not finite", metrics, started, updated=True)
+        self.bad_steps = 0
+        elapsed = time.perf_counter() - started
+        metrics["perf/step_s"] = elapsed
+        metrics["perf/tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
+        metrics = self.dist.all_reduce_mean(metrics)
+        self.step += 1
+        self.hooks.on_optimizer_step(trainer=self, step=self.step, metrics=metrics)
+        return metrics
+
+    def _skip(self, step: int, why: str, metrics: dict[str, float], started: float, *, updated: bool = False) -> dict[str, float]:
+        """Count a skipped step (no optimiser step was taken); abort after ``train.max_bad_steps`` in a row."""
+        self.bad_steps += 1
+        limit = self.config.train.max_bad_steps
+        if self.dist.is_main:
+            warnings.warn(f"step {step + 1} skipped: {why} ({self.bad_steps} in a row, limit train.max_bad_steps={limit})",
+                          NonFiniteStepWarning, stacklevel=2)
+        if self.bad_steps >= limit:
+            raise TrainingAborted(
+                f"train.max_bad_steps: {self.bad_steps} steps in a row were skipped (non-finite reward, loss or "
+                f"gradient); the last, step {step + 1}: {why}"
+            )
+        metrics = {**{k: v for k, v in metrics.items() if isinstance(v, float)}, "train/skipped": 1.0,
+                   "perf/step_s": time.perf_counter() - started}
+        metrics = self.dist.all_reduce_mean(metrics) if updated else metrics
+        self.step += 1
+        return metrics
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, tasks: int | None = None) -> EvalResult:
+        """Held-out reward with greedy decoding on tasks drawn from a seed stream training never uses."""
+        t = self.config.train
+        n = tasks or t.eval_size
+        self.policy.eval()
+        params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=0.0)
+        # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
+        # collectives see every rank and the number needs no reduction.
+        with self.watchdog.phase("eval"), self.dist.gathered(self.policy):
+            env = _TimedEnvironment(self.eval_env, t.data_timeout_s, self.watchdog)
+            ro = collect(env, self.policy, self.generator, params, n, seed=derive_seed(self.config.run.seed, "held-out"))
+            scored = self.reward.evaluate(*ro.reward_rows())
+        comps = {k: float(v.float().mean()) for k, v in scored.components.items()}
+        return EvalResult(float(scored.scores.mean()), comps, n, self.reward.max_score)
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        t = self.config.train
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.truncate_logs(self.run_dir, self._log_sizes)  # a resumed run rewrites what followed its checkpoint
+        plain = self.config.to_dict()
+        for logger in self.loggers:
+            logger.open(self.run_dir, plain)
+        started = time.perf_counter()
+        history: list[dict[str, float]] = []
+        metrics: dict[str, float] = {}
+        self.watchdog.start()
+        try:
+            self.hooks.on_train_start(trainer=self, config=self.config)
+            if self.before is None:
+                self.before = self.evaluate()
+                self._log(self.before.metrics(), 0)
+            while self.step < t.steps:
+                metrics = self.train_step()
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                    metrics.update(self.evaluate().metrics())
+                history.append(metrics)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    self._log(metrics, self.step)
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                    self.save_step()
+            after = self.evaluate()
+            self._log(after.metrics(), self.step)
+            self.save()
+            self.hooks.on_train_end(trainer=self, metrics=metrics)
+        finally:
+            self.watchdog.stop()
+            for logger in self.loggers:
+                logger.close()
+        return TrainResult(self.before, after, metrics, self.run_dir, self.step, time.perf_counter() - started, history)
+
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items()}
+        for logger in self.loggers:
+            logger.log(clean, step)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a run needs to continue bitwise: weights, optimiser (+ scaler, replay buffer, running reward
+        statistics), every rank's RNG states, step, reward curriculum, reward EMA, environment state (when it has
+        one), the held-out reward before training, and the logged files' sizes.
+
+        Collective under torchrun (every rank must call it: RNG states are gathered, FSDP gathers full tensors);
+        the complete state is meaningful on rank 0.
+        """
+        algorithm = self.algorithm.state_dict()  # collective under FSDP: the full optimiser states
+        if self.dist.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            policy = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            policy = self.policy.state_dict()
+        state: dict[str, Any] = {
+            "format": 2,
+            "step": self.step,
+            "policy": policy,
+            "optimizer": algorithm,
+            "reward": self.reward.state_dict(),
+            "reward_ema": self.reward_ema,
+            "bad_steps": self.bad_steps,
+            "before": self.before.to_dict() if self.before is not None else None,
+            "env": self.env.state_dict() if isinstance(self.env, Stateful) else None,
+            "rng": self.dist.all_gather_object(ckpt.capture_rng()),
+            "world_size": self.dist.world_size,
+            "logs": ckpt.log_sizes(self.loggers, self.run_dir),
+            "config": self.config.to_dict(),
+        }
+        self.hooks.on_checkpoint_save(trainer=self, step=self.step, state=state)
+        return state
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Write the final checkpoint (``RUN_DIR/checkpoint.pt``, or ``path``) atomically: a temporary file in the same
+        folder, fsynced, then renamed over the target. Under torchrun every rank calls it and rank 0 writes."""
+        target = Path(path) if path is not None else self.run_dir / ckpt.FINAL_NAME
+        with self.watchdog.phase("checkpoint"):
+            state = self.state_dict()
+            if self.dist.is_main:
+                ckpt.save_torch(state, target)
+        return target
+
+    def save_step(self) -> Path:
+        """Write ``RUN_DIR/checkpoints/step-NNNNNN.pt`` atomically, point ``latest`` at it, keep the newest
+        ``train.keep_checkpoints``."""
+        with self.watchdog.phase("checkpoint"):
+            state = self.state_dict()
+            path = self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_name(self.step)
+            if self.dist.is_main:
+                path = ckpt.save_step_checkpoint(self.run_dir, state, self.step, self.config.train.keep_checkpoints)
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Restore a checkpoint written by :meth:`save` / :meth:`save_step` (every rank reads the file)."""
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if self.dist.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.policy, state["policy"], options=StateDictOptions(full_state_dict=True))
+        else:
+            self.policy.load_state_dict(state["policy"])
+        self.algorithm.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
+        self.reward.load_state_dict(state["reward"])
+        self.reward_ema = state["reward_ema"]
+        self.step = int(state["step"])
+        self.bad_steps = int(state.get("bad_steps", 0))
+        before = state.get("before")
+        self.before = EvalResult(**before) if before is not None else None
+        if state.get("env") is not None and isinstance(self.env, Stateful):
+            self.env.load_state_dict(state["env"])
+        self._log_sizes = dict(state.get("logs") or {})
+        rng = state.get("rng") or []
+        if len(rng) == self.dist.world_size:  # another world size: RNG streams cannot match anyway
+            ckpt.restore_rng(rng[self.dist.rank])
+        elif self.dist.is_main:
+            warnings.warn(f"checkpoint {path}: saved by {len(rng)} rank(s), resumed on {self.dist.world_size}; "
+                          "random states start fresh", stacklevel=2)
+        self.hooks.on_checkpoint_load(trainer=self, step=self.step, state=state)
+
+
+def _nonfinite_reward(e: BaseException) -> bool:
+    """True for the reward wrapper's one-line error about a NaN/inf score (the step is skipped, not fatal)."""
+    from palestra.engine.checked_reward import RewardError
+
+    return isinstance(e, RewardError) and e.nonfinite

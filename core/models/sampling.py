@@ -1,0 +1,260 @@
+"""Batched sampling with a KV cache: :func:`sample` (token ids in) and :func:`generate` (observations in).
+
+Works with any :class:`palestra.models.policy.CausalLMPolicy`: the prompt is prefilled with one
+``policy.decode_step`` call, then every step feeds one token per row and reuses the cache. Rows end on
+the tokenizer's EOS, on ``params.stop_token_ids``, on a stop string, or at their length limit:
+``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed padding (masked out) until every row is done, which ends the loop early.
+
+The result follows the completion conventions of :class:`palestra.types.Generation`:
+
+* ``completion_ids [B, T]`` right-padded with the pad id, ``T`` = the longest completion;
+* ``completion_mask`` True on every sampled token, including the EOS (or stop token) that ended the row;
+* ``texts`` decode the completion without that EOS / stop token; a stop *string* that ended the row is
+  part of the text (and of the tokens);
+* ``logprobs`` (float32, 0 where masked) are ``log_softmax(logits / temperature)`` at the sampled token,
+  before any top-p filtering, at temperature 1 for greedy decoding: exactly what
+  ``policy.score(..., temperature=params.temperature or 1.0)`` gives for the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from palestra.types import Generation, Observation, SamplingParams
+
+
+def check_params(params: SamplingParams) -> None:
+    """Raise a one-line ValueError naming the first bad field of ``params``."""
+    n = params.max_new_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"SamplingParams.max_new_tokens: expected an integer >= 0, got {n!r}")
+    t = params.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"SamplingParams.temperature: expected a finite number >= 0 (0 = greedy), got {t!r}")
+    p = params.top_p
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1], got {p!r}")
+    for i, s in enumerate(params.stop):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"SamplingParams.stop[{i}]: expected a non-empty string, got {s!r}")
+    for i, s in enumerate(params.stop_token_ids):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"SamplingParams.stop_token_ids[{i}]: expected an integer token id, got {s!r}")
+
+
+def pick_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits [B, V]`` and its behaviour log-prob (float32), both ``[B]``.
+
+    ``temperature == 0`` is greedy (log-prob at temperature 1). Otherwise the token is drawn from
+    ``softmax(logits / temperature)`` restricted to the nucleus: the smallest set of most likely tokens whose
+    mass reaches ``top_p`` (the top token always stays). The draw is one uniform number per row, turned into
+    a token by inverse-CDF over the probabilities sorted in descending order; that uses ``generator`` from
+    any device and never picks a token of probability 0.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        token = logits.argmax(-1, keepdim=True)
+        return token.squeeze(-1), torch.log_softmax(logits, -1).gather(-1, token).squeeze(-1)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    probs, order = logp_all.exp().sort(dim=-1, descending=True, stable=True)
+    if top_p < 1:
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens: keep while it is below top_p
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    if generator is None:
+        u = torch.rand((logits.shape[0], 1), device=logits.device)
+    else:
+        u = torch.rand((logits.shape[0], 1), generator=generator, device=generator.device).to(logits.device)
+    index = (cdf <= u * cdf[:, -1:]).sum(-1, keepdim=True)
+    # Rounding can push the index past the last token of positive probability (probabilities are sorted, so
+    # those form a prefix): clamp it back.
+    index = torch.minimum(index, (probs > 0).sum(-1, keepdim=True) - 1)
+    token = order.gather(-1, index)
+    return token.squeeze(-1), logp_all.gather(-1, token).squeeze(-1)
+
+
+class _StopStrings:
+    """Watches the rows that have stop strings: after each step, says which rows' text now contains one.
+
+    Only the tail of a row's completion is decoded: enough tokens to cover the longest stop string before
+    the newest token's text (a new match must end inside that token, or an earlier step would have seen it).
+    """
+
+    def __init__(self, tokenizer: Any, row_stops: list[list[str]]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = {i: s for i, s in enumerate(row_stops) if s}
+        self.longest = {i: max(len(x) for x in s) for i, s in self.stops.items()}
+        self.history: dict[int, list[int]] = {i: [] for i in self.stops}
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def update(self, tokens: list[int], done: list[bool]) -> list[int]:
+        """Record this step's ``tokens`` and return the rows (not yet ``done``) that a stop string ends now."""
+        hits: list[int] = []
+        for i in list(self.stops):
+            if done[i]:  # ended by EOS this step (or earlier): stop watching
+                del self.stops[i]
+                continue
+            ids = self.history[i]
+            ids.append(tokens[i])
+            need = self.longest[i] - 1 + len(self.tokenizer.decode(ids[-1:]))
+            width = self.longest[i] + 1
+            tail = self.tokenizer.decode(ids[-width:])
+            while len(tail) < need and width < len(ids):
+                width *= 2
+                tail = self.tokenizer.decode(ids[-width:])
+            if any(s in tail for s in self.stops[i]):
+                hits.append(i)
+                del self.stops[i]
+        return hits
+
+
+@torch.no_grad()
+def sample(
+    policy: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    *,
+    stops: Sequence[Sequence[str] | None] | None = None,
+    max_new_tokens: Sequence[int | None] | None = None,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
+
+    ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``max_new_tokens[i]`` caps row ``i`` at
+    ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
+    ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
+    draws (same seed, same completions); None uses torch's global RNG. See the module docstring for the result.
+    """
+    check_params(params)
+    if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.int64:
+        raise ValueError(f"prompt_ids: expected an int64 tensor [B, P], got {prompt_ids.dtype} {list(prompt_ids.shape)}")
+    if prompt_mask.shape != prompt_ids.shape or prompt_mask.dtype != torch.bool:
+        raise ValueError(
+            f"prompt_mask: expected a bool tensor shaped like prompt_ids {list(prompt_ids.shape)}, "
+            f"got {prompt_mask.dtype} {list(prompt_mask.shape)}"
+        )
+    b, p = prompt_ids.shape
+    if b == 0 or p == 0:
+        raise ValueError(f"prompt_ids: expected at least one row and one token, got shape {list(prompt_ids.shape)}")
+    if not bool(prompt_mask[:, -1].all()):
+        bad = int((~prompt_mask[:, -1]).nonzero()[0])
+        raise ValueError(f"prompt_mask: row {bad} does not end in a real token (prompts are left-padded and not empty)")
+    if stops is not None and len(stops) != b:
+        raise ValueError(f"stops: expected one list per row ({b}), got {len(stops)}")
+    n = params.max_new_tokens
+    caps: list[int] | None = None
+    if max_new_tokens is not None:
+        if len(max_new_tokens) != b:
+            raise ValueError(f"max_new_tokens: expected one cap (or None) per row ({b}), got {len(max_new_tokens)}")
+        for i, c in enumerate(max_new_tokens):
+            if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+                raise ValueError(f"max_new_tokens[{i}]: expected an integer >= 0 or None, got {c!r}")
+        caps = [n if c is None else min(n, c) for c in max_new_tokens]
+        n = max(caps)  # no row runs longer
+    limit = getattr(policy, "max_len", None)
+    if isinstance(limit, int) and p + n > limit:
+        raise ValueError(
+            f"policy.options.max_len: a prompt of {p} tokens + max_new_tokens={n} is longer than max_len={limit}"
+        )
+
+    tokenizer = policy.tokenizer
+    pad = tokenizer.pad_token_id
+    end_ids = sorted({tokenizer.eos_token_id, *params.stop_token_ids})
+    row_stops = [list(params.stop) + list((stops[i] or []) if stops is not None else []) for i in range(b)]
+    for i, row in enumerate(row_stops):
+        for s in row:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stops[{i}]: expected non-empty strings, got {s!r}")
+    watch = _StopStrings(tokenizer, row_stops)
+
+    device = prompt_ids.device
+    completion_ids = torch.full((b, n), pad, dtype=torch.int64, device=device)
+    completion_mask = torch.zeros((b, n), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((b, n), dtype=torch.float32, device=device)
+    steps = 0
+    if n > 0:
+        end_t = torch.tensor(end_ids, dtype=torch.int64, device=device)
+        mask = prompt_mask
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        next_position = positions[:, -1:] + 1
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
+        if cap_t is not None:
+            done = cap_t == 0  # rows capped at 0 tokens sample nothing
+        logits, cache = policy.decode_step(prompt_ids, mask, positions, None)
+        for t in range(n):
+            token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
+            live = ~done
+            token = token.masked_fill(done, pad)
+            completion_ids[:, t] = token
+            completion_mask[:, t] = live
+            logprobs[:, t] = logp.masked_fill(done, 0.0)
+            done = done | torch.isin(token, end_t)
+            steps = t + 1
+            if watch:
+                hits = watch.update(token.tolist(), done.tolist())
+                if hits:
+                    done[hits] = True
+            if cap_t is not None:
+                done = done | (cap_t <= t + 1)  # rows at their own cap: truncated like at max_new_tokens
+            if t == n - 1 or bool(done.all()):
+                break
+            mask = torch.cat((mask, (~done)[:, None]), dim=1)  # finished rows' new tokens are padding
+            logits, cache = policy.decode_step(token[:, None], mask, next_position, cache)
+            next_position = next_position + 1
+
+    completion_ids = completion_ids[:, :steps]
+    completion_mask = completion_mask[:, :steps]
+    logprobs = logprobs[:, :steps]
+    lengths = completion_mask.sum(-1).tolist()
+    end_set = set(end_ids)
+    texts = []
+    for row, length in zip(completion_ids.tolist(), lengths):
+        ids = row[:length]
+        if ids and ids[-1] in end_set:  # the EOS / stop token that ended the row is not text
+            ids = ids[:-1]
+        texts.append(tokenizer.decode(ids))
+    return Generation(
+        texts=texts,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logprobs=logprobs,
+    )
+
+
+def generate(
+    policy: Any,
+    observations: Sequence[Observation],
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Encode ``observations`` with ``policy.encode_observations`` and :func:`sample` one completion for each,
+    with each observation's ``stop`` strings added to ``params.stop`` and its ``max_new_tokens`` (when set)
+    capping its row below ``params.max_new_tokens``."""
+    if not observations:
+        raise ValueError("generate: observations is empty")
+    caps = [o.max_new_tokens for o in observations]
+    for i, c in enumerate(caps):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(f"observations[{i}].max_new_tokens: expected an integer >= 0 or None, got {c!r}")
+    prompt_ids, prompt_mask = policy.encode_observations(observations)
+    stops = [list(o.stop or []) for o in observations]
+    return sample(
+        policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None,
+        max_new_tokens=caps if any(c is not None for c in caps) else None, generator=generator,
+    )
+
+
+__all__ = ["check_params", "generate", "pick_tokens", "sample"]
