@@ -462,6 +462,34 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class HeldOutScoring(Protocol):
+    """A reward that scores held-out rows its own way (a curriculum scores every layer, unlocked or not).
+
+    Optional: a reward without ``evaluate`` is called on a copy for held-out scoring, so evaluation never
+    advances its state.
+    """
+
+    def evaluate(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput: ...
+
+
+@runtime_checkable
+class GradientCheckpointing(Protocol):
+    """A policy that can recompute activations in the backward pass instead of storing them (optional)."""
+
+    def set_gradient_checkpointing(self, on: bool) -> None: ...
+
+
+@runtime_checkable
+class FileLogger(Protocol):
+    """A logger that appends to one file in the run directory (optional): checkpoints record its size, so that
+    a resumed run cuts what followed the checkpoint."""
+
+    path: Path
+
+
 class Logger(Protocol):
     """A sink for scalar metrics (console, JSONL, TensorBoard, wandb, ...).
 
@@ -483,7 +511,10 @@ __all__ = [
     "Episode",
     "Experience",
     "Generation",
+    "FileLogger",
     "Generator",
+    "GradientCheckpointing",
+    "HeldOutScoring",
     "Logger",
     "Message",
     "Observation",

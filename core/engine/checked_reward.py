@@ -18,7 +18,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from palestra.types import RewardOutput
+from palestra.types import HeldOutScoring, RewardOutput, Stateful
 
 if TYPE_CHECKING:  # torch and numpy are imported when a reward is first called, so loading plugins stays fast
     import torch
@@ -102,7 +102,7 @@ class CheckedReward:
         called on a copy, so a stateful one is not advanced by evaluation.
         """
         inner = self.reward
-        target = inner.evaluate if hasattr(inner, "evaluate") else copy.deepcopy(inner)
+        target = inner.evaluate if isinstance(inner, HeldOutScoring) else copy.deepcopy(inner)
         return CheckedReward(target, name=self.name, path=self.path)(prompts, completions, metadata)
 
     @property
@@ -146,7 +146,7 @@ class CheckedReward:
         self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> int | None:
         """Find the first row the reward raises on by itself; its state (if any) is put back afterwards."""
-        saved = copy.deepcopy(self.reward.state_dict()) if hasattr(self.reward, "state_dict") else None
+        saved = copy.deepcopy(self.reward.state_dict()) if isinstance(self.reward, Stateful) else None
         try:
             for i in range(len(completions)):
                 try:
@@ -159,10 +159,10 @@ class CheckedReward:
                 self.reward.load_state_dict(saved)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.reward.state_dict() if hasattr(self.reward, "state_dict") else {}
+        return self.reward.state_dict() if isinstance(self.reward, Stateful) else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if hasattr(self.reward, "load_state_dict"):
+        if isinstance(self.reward, Stateful):
             self.reward.load_state_dict(state)
         elif state:
             raise RewardError(f"{self.label}: has no state, but the checkpoint holds {sorted(state)}")
@@ -179,7 +179,7 @@ def max_score(reward: Any) -> float | None:
 
 def _evaluate(reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
     """A nested reward's held-out scores (see :meth:`CheckedReward.evaluate`)."""
-    return reward.evaluate(prompts, completions, metadata) if hasattr(reward, "evaluate") else reward(prompts, completions, metadata)
+    return reward.evaluate(prompts, completions, metadata) if isinstance(reward, HeldOutScoring) else reward(prompts, completions, metadata)
 
 
 def _snippet(value: Any) -> str:

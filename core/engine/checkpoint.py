@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from palestra.types import FileLogger
+
 __all__ = [
     "CHECKPOINT_DIR",
     "FINAL_NAME",
@@ -169,7 +171,7 @@ def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
     """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
     out: dict[str, int] = {}
     for logger in loggers:
-        path = getattr(logger, "path", None)
+        path = logger.path if isinstance(logger, FileLogger) else None
         if isinstance(path, Path) and path.is_file():
             try:
                 out[str(path.relative_to(run_dir))] = path.stat().st_size

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from palestra.config import OptionError, check_options, option
 from palestra.context import TrainContext
 from palestra.rl.names import LossAgg
-from palestra.types import Experience
+from palestra.types import Experience, GradientCheckpointing
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that loading the optimizer plugins stays light
     import torch
@@ -191,13 +191,12 @@ class Algorithm:
         if self.needs_value_head:
             policy.enable_value_head()
         if train.gradient_checkpointing:
-            toggle = getattr(policy, "set_gradient_checkpointing", None)
-            if toggle is None:
+            if not isinstance(policy, GradientCheckpointing):
                 raise ConfigError(
                     f"train.gradient_checkpointing: the policy ({type(policy).__name__}) has no "
                     "set_gradient_checkpointing(on); set it to false"
                 )
-            toggle(True)
+            policy.set_gradient_checkpointing(True)
         self.on_setup(policy)
         groups = self.optimizer_groups(policy)
         self.policy_params = [p for g in groups.values() if g.policy for p in g.params]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.types import (
     AgentId,
     Environment,
@@ -17,6 +18,7 @@ from palestra.types import (
     Experience,
     Generation,
     Generator,
+    HeldOutScoring,
     Observation,
     Policy,
     SamplingParams,
@@ -189,7 +191,7 @@ def collect(
     generations: list[Generation] = []
 
     def respond(observations: list[Observation]) -> list[str]:
-        if hasattr(policy, "for_agent"):  # a MultiAgentPolicy: each agent's rows by its own parameters
+        if isinstance(policy, MultiAgentPolicy):  # each agent's rows by its own parameters
             out = generate_by_agent(backend, policy, observations, params, rng=rng)
         else:
             out = backend.generate(policy, observations, params, generator=rng)
@@ -280,7 +282,7 @@ def credit_rewards(
     episodes = rollout.episodes
     last = reward_rows(episodes)
     role = credit == "role"
-    score = reward if role else getattr(reward, "evaluate", reward)
+    score = reward.evaluate if not role and isinstance(reward, HeldOutScoring) else reward
     agent_scores: dict[AgentId, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     for a in list(dict.fromkeys([*agent_ids, *(t.agent_id for ep in episodes for t in ep.turns)])):

@@ -98,6 +98,19 @@ class CausalLMPolicy(torch.nn.Module):
     def hidden_size(self) -> int:
         raise NotImplementedError
 
+    def keep_untied(self) -> None:
+        """Record that the input embedding and the output head no longer share one weight (multi-agent sharing
+        gave them separate copies), so that the policy never ties them again. Nothing to record by default."""
+
+    def model_dims(self) -> dict[str, int]:
+        """``layers``, ``hidden``, ``heads``, ``vocab``: what the automatic micro-batch size estimates activation
+        memory from. This default guesses from the parameter count (``12 * layers * hidden**2`` per transformer);
+        a subclass that knows its shape says so."""
+        hidden = int(self.hidden_size)
+        params = sum(p.numel() for p in self.parameters())
+        layers = max(1, round(params / (12 * hidden * hidden)))
+        return {"layers": layers, "hidden": hidden, "heads": max(1, hidden // 64), "vocab": len(self.tokenizer)}
+
     def layer_groups(self) -> dict[str, list[str]]:
         """Module-name prefixes of the layer groups multi-agent sharing works in (:mod:`palestra.multiagent.sharing`):
         ``embedding`` (token embedding), ``encoder`` (the transformer blocks), ``decoder`` (final norm, output

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from palestra.config import AgentsConfig, ConfigError
-from palestra.models.policy import TokenScores
-from palestra.types import AgentId, Observation
+from palestra.models.policy import CausalLMPolicy, TokenScores
+from palestra.types import AgentId, GradientCheckpointing, Observation
 
 __all__ = ["MultiAgentPolicy", "check_sharing", "wrap_policy"]
 
@@ -81,13 +81,8 @@ def _untie(base: torch.nn.Module, groups: Mapping[str, Sequence[str]], shared: s
             owner = base.get_submodule(owner_name)
             setattr(owner, attr, torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
             untied.append(name)
-    if untied:
-        config = getattr(getattr(base, "model", None), "config", None)
-        if config is not None and hasattr(config, "tie_word_embeddings"):
-            config.tie_word_embeddings = False  # so that a later tie_weights() does not tie them back
-        options = getattr(base, "options", None)
-        if options is not None and hasattr(options, "tie_embeddings"):
-            options.tie_embeddings = False
+    if untied and isinstance(base, CausalLMPolicy):
+        base.keep_untied()  # so that a later re-tie (HF's tie_weights()) does not tie them back
     return untied
 
 
@@ -170,6 +165,9 @@ class MultiAgentPolicy(torch.nn.Module):
     def hidden_size(self) -> int:
         return self.base.hidden_size
 
+    def model_dims(self) -> dict[str, int]:
+        return self.base.model_dims()
+
     def encode_observations(self, observations: Sequence[Observation]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.encode_observations(observations)
 
@@ -182,7 +180,7 @@ class MultiAgentPolicy(torch.nn.Module):
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         for view in self.views.values():
-            if hasattr(view, "set_gradient_checkpointing"):
+            if isinstance(view, GradientCheckpointing):
                 view.set_gradient_checkpointing(on)
 
     def _single_view(self, what: str) -> Any:
@@ -254,17 +252,17 @@ def wrap_policy(policy: Any, agents: AgentsConfig | None, env: Any, algorithm: A
     """
     if agents is None:
         return policy
-    if agents.independent_layers and algorithm is not None and not getattr(algorithm, "routes_agents", False):
+    if agents.independent_layers and algorithm is not None and not algorithm.routes_agents:
         raise ConfigError(
-            f"{_KEY_PATH}.independent_layers: optimizer {getattr(algorithm, 'name', type(algorithm).__name__)!r} "
+            f"{_KEY_PATH}.independent_layers: optimizer {algorithm.name!r} "
             "scores rows without agent ids, so it cannot train per-agent layers; use optimizer.name: mappo "
             "or put every layer group in agents.shared_layers"
         )
-    if agents.update_frequency > 1 and algorithm is not None and not getattr(algorithm, "shared_update_window", False):
+    if agents.update_frequency > 1 and algorithm is not None and not algorithm.shared_update_window:
         raise ConfigError(
-            f"{_KEY_PATH}.update_frequency: optimizer {getattr(algorithm, 'name', type(algorithm).__name__)!r} steps "
+            f"{_KEY_PATH}.update_frequency: optimizer {algorithm.name!r} steps "
             f"every parameter every update, so update_frequency={agents.update_frequency} would be ignored; "
             "use optimizer.name: mappo or update_frequency: 1"
         )
-    agent_ids = tuple(getattr(env, "agent_ids", ()) or ())
+    agent_ids = tuple(env.agent_ids or ())
     return MultiAgentPolicy(policy, agents, agent_ids)

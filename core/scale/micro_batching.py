@@ -182,26 +182,17 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def model_dims(policy: Any) -> dict[str, int]:
-    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: from the tiny policy's options or a HF config,
-    else guessed from the parameter count (``12 * layers * hidden**2`` per transformer)."""
-    o = getattr(policy, "options", None)
-    vocab = len(policy.tokenizer) if hasattr(policy, "tokenizer") else 32000
-    if o is not None and hasattr(o, "n_layers"):
-        return {"layers": o.n_layers, "hidden": o.d_model, "heads": o.n_heads, "vocab": vocab}
-    config = getattr(getattr(policy, "model", None), "config", None)
-    if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if hasattr(text, "num_hidden_layers") and hasattr(text, "hidden_size"):
-            return {
-                "layers": int(text.num_hidden_layers), "hidden": int(text.hidden_size),
-                "heads": int(getattr(text, "num_attention_heads", 1) or 1), "vocab": vocab,
-            }
-    hidden = int(getattr(policy, "hidden_size", 0) or 0)
+    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
+    when it is a causal-LM policy (or a multi-agent one over it), else guessed from the parameter count."""
+    from palestra.models.policy import CausalLMPolicy
+    from palestra.multiagent.sharing import MultiAgentPolicy
+
+    if isinstance(policy, (CausalLMPolicy, MultiAgentPolicy)):
+        return policy.model_dims()
     params = sum(p.numel() for p in policy.parameters())
-    if hidden <= 0:
-        hidden = max(8, int((params / 12) ** (1 / 3)))
+    hidden = max(8, int((params / 12) ** (1 / 3)))
     layers = max(1, round(params / (12 * hidden * hidden)))
-    return {"layers": layers, "hidden": hidden, "heads": max(1, hidden // 64), "vocab": vocab}
+    return {"layers": layers, "hidden": hidden, "heads": max(1, hidden // 64), "vocab": len(policy.tokenizer)}
 
 
 def activation_bytes_per_token(

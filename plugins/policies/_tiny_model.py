@@ -177,6 +177,13 @@ class TinyTransformerPolicy(CausalLMPolicy):
     def hidden_size(self) -> int:
         return self.options.d_model
 
+    def keep_untied(self) -> None:
+        self.options.tie_embeddings = False
+
+    def model_dims(self) -> dict[str, int]:
+        o = self.options
+        return {"layers": o.n_layers, "hidden": o.d_model, "heads": o.n_heads, "vocab": len(self.tokenizer)}
+
     @property
     def max_len(self) -> int:
         """The longest sequence (prompt + completion, padding included) the policy accepts."""

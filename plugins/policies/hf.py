@@ -314,9 +314,20 @@ def _policy_class() -> type:
 
         @property
         def hidden_size(self) -> int:
+            return int(self._text_config().hidden_size)
+
+        def keep_untied(self) -> None:
+            self.model.config.tie_word_embeddings = False  # transformers' tie_weights() reads it
+
+        def model_dims(self) -> dict[str, int]:
+            text = self._text_config()
+            heads = int(getattr(text, "num_attention_heads", 1) or 1)
+            return {"layers": int(text.num_hidden_layers), "hidden": int(text.hidden_size), "heads": heads, "vocab": len(self.tokenizer)}
+
+        def _text_config(self) -> Any:
+            """The language model's config (a multimodal config nests it)."""
             config = self.model.config
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            return int(text.hidden_size)
+            return config.get_text_config() if hasattr(config, "get_text_config") else config
 
         def encode_prompt(self, observation: Observation) -> list[int]:
             """The chat template over ``observation.messages`` when enabled and present; the prompt text otherwise."""

@@ -117,8 +117,10 @@ def test_the_trainer_reports_a_bad_layer_name_from_the_config_before_training(tm
 
 
 def test_an_optimizer_that_cannot_route_rows_is_refused_for_independent_layers() -> None:
-    class Plain:  # a third-party optimiser that calls policy.score without agent ids
+    class Plain:  # a third-party optimiser (the PolicyOptimizer protocol) that calls policy.score without agent ids
         name = "plain"
+        routes_agents = False
+        shared_update_window = False
 
     with pytest.raises(ConfigError, match=r"^agents\.independent_layers: optimizer 'plain' scores rows without agent ids"):
         wrap_policy(tiny(), sharing(["embedding", "encoder"], ["decoder"]), CustomerServiceEnv(), Plain())

@@ -214,3 +214,67 @@ def test_state_dict_round_trip_is_exact() -> None:
     for (name, a), b in zip(algo.critic.state_dict().items(), other.critic.state_dict().values()):
         assert torch.equal(a, b), name
     torch.testing.assert_close(algo.value_normalizer.state_dict()["moments"]["mean"], other.value_normalizer.state_dict()["moments"]["mean"], rtol=0, atol=0)
+
+
+# ---- the shared learner loop: MAPPO gets every memory and precision switch -------------------------------------
+def updated_state(train: dict, steps: int = 2) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
+    policy, algo = build(update_frequency=2, train=train)
+    metrics = []
+    for step in range(steps):
+        exp, _, _ = rollout(policy, algo, step)
+        metrics.append(algo.update(policy, algo.prepare(exp)))
+    return [p.detach().clone() for p in [*policy.parameters(), *algo.critic.parameters()]], metrics
+
+
+def first_step_gradients(train: dict) -> list[torch.Tensor]:
+    """Every trained tensor's gradient in one update, read from AdamW's first moment (exp_avg = 0.1 * grad)."""
+    policy, algo = build(train={"max_grad_norm": None, **train})
+    exp, _, _ = rollout(policy, algo, 0)
+    algo.update(policy, algo.prepare(exp))
+    return [opt.state[t]["exp_avg"] / 0.1 for name, opt in algo.optimizers.items() for t in algo.stepped[name]]
+
+
+def test_token_budget_and_offload_give_the_plain_update() -> None:
+    """Token-budget packs (rows trimmed, micro-batches shuffled) and the CPU master copies give the plain update's
+    gradient: MAPPO's per-agent row weights make each micro-batch's share whatever the plan."""
+    plain = first_step_gradients({"grad_accum": 1})
+    assert len(plain) > 10 and any(float(g.abs().sum()) > 0 for g in plain)
+    for train in ({"grad_accum": 4}, {"token_budget": 12}, {"offload_optimizer": True}):
+        other = first_step_gradients(train)
+        for a, b in zip(plain, other):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, t=train: f"{t}: {m}")
+    _, metrics = updated_state({"token_budget": 12})
+    assert metrics[-1]["memory/token_budget"] == 12.0
+    assert metrics[0]["shared/stepped"] == 0.0 and metrics[-1]["shared/stepped"] == 1.0  # update_frequency 2
+
+
+def test_auto_micro_batch_backs_off_on_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from palestra.scale import micro_batching
+
+    monkeypatch.setattr(micro_batching, "free_memory_bytes", lambda device: 10**12)  # a budget of the whole batch
+    policy, algo = build(train={"auto_micro_batch": True})
+    exp = algo.prepare(rollout(policy, algo, 0)[0])
+    calls = {"n": 0}
+    loss = algo.loss
+
+    def failing_once(p, batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CPU out of memory (simulated)")
+        return loss(p, batch)
+
+    monkeypatch.setattr(algo, "loss", failing_once)
+    metrics = algo.update(policy, exp)
+    assert metrics["train/skipped"] == 0.0 and algo.auto_budget_cap is not None
+    assert metrics["memory/token_budget"] == float(algo.auto_budget_cap)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_mappo(precision: str) -> None:
+    after, metrics = updated_state({"precision": precision}, steps=2)
+    before, _ = updated_state({"precision": precision}, steps=0)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before)), "nothing was trained"
+    assert all(torch.isfinite(p).all() for p in after)
+    assert all(m["train/skipped"] == 0.0 for m in metrics)
+    if precision == "fp16":
+        assert "amp/loss_scale" in metrics[-1] and metrics[-1]["amp/loss_scale"] > 0

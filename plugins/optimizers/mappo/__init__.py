@@ -95,7 +95,7 @@ class MAPPO(Algorithm):
         self.updates = 0  # optimiser updates so far (independent layers)
         self.update_frequency = 1
         self.explained_var: dict[str, float] = {}
-        self._stepped_of: dict[int, Any] = {}  # id(parameter) -> the tensor its optimiser steps
+        self._stepped_by_group: dict[str, list[Any]] = {}  # sharing group -> the tensors its optimiser steps
         self._shared_due = False
         self._sums: dict[str, dict[str, float]] = {}
 
@@ -135,13 +135,15 @@ class MAPPO(Algorithm):
 
         super().setup(policy, context, reference=reference)
         stepped = [t for ts in self.stepped.values() for t in ts]
-        self._stepped_of = {id(p): t for p, t in zip(self.params, stepped)}
+        # Lists, not a dict keyed by id(): a deep copy of the algorithm keeps them pointing at its own tensors.
+        of = {id(p): t for p, t in zip(self.params, stepped)}
+        self._stepped_by_group = {name: [of[id(p)] for p in ps] for name, ps in self.sharing.items()}
         shared = self._stepped("shared")
         self.shared_accum = [torch.zeros_like(t) for t in shared] if self.update_frequency > 1 else []
 
     def _stepped(self, name: str) -> list[Any]:
         """The tensors the optimisers step for one sharing group (the parameters, or their CPU master copies)."""
-        return [self._stepped_of[id(p)] for p in self.sharing.get(name, [])]
+        return self._stepped_by_group.get(name, [])
 
     def _register(self, agent_ids: list[str]) -> None:
         import torch
