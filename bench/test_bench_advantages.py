@@ -1,12 +1,14 @@
-"""pytest-benchmark suite for the advantage estimators: our back ends vs torchrl's vectorised GAE, a
-verl-style loop over time and eager torch, all measured in the same run.
+"""pytest-benchmark suite for the advantage estimators: our native back ends vs our own torch back end (the
+reference ``auto`` is held to, timed through the same public call and wrapper), and the peers torchrl's
+vectorised GAE, a verl-style loop over time and TRL-style eager torch, all measured in the same run.
 
     pytest bench/test_bench_advantages.py                      # default sizes (a few minutes at most on 2 cores)
     pytest bench/test_bench_advantages.py -m slow              # the big sizes only
     pytest bench/test_bench_advantages.py -k "gae and B=256"   # the 2-core target: gae at B=256, T=1024
 
-Each of our rows records, in ``extra_info``, its speed-up over every baseline of its group (median
-times of the same run); speed is reported, never asserted.
+Each native row records, in ``extra_info``, its speed-up over every baseline of its group (the torch row
+and the peers; median times of the same run); speed is reported, never asserted. For figures to record, time
+the back ends alternately: ``OMP_NUM_THREADS=1 python bench/cases_advantages.py --update FILE.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import cases_advantages as C
 import palestra.kernels as K
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+try:
+    import pytest_benchmark  # noqa: F401  (its plugin provides the ``benchmark`` fixture)
+except ImportError:  # without it the timed rows skip; the agreement checks below still run
+
+    @pytest.fixture
+    def benchmark():
+        pytest.skip("pytest-benchmark is not installed (pip install -e '.[bench]')")
 
 
 def _sync() -> None:
@@ -99,3 +109,29 @@ def test_baselines_agree_with_ours():
         torch.testing.assert_close(K.group_advantages(x, 8, scale=scale), C.eager_group(x, 8, scale),
                                    rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(K.rloo_advantages(x, 8), C.eager_rloo(x, 8), rtol=1e-5, atol=1e-5)
+
+
+def test_every_row_of_ours_runs_the_back_end_it_names():
+    """The ``torch`` row really runs the torch back end (and ``cpp`` the cpp one), the wrapper leaves
+    nothing forced behind it, and every implementation of a group computes the same thing."""
+    from palestra.kernels import dispatch
+
+    before = dispatch._forced
+    group_ops = ("group_advantages[group]", "group_advantages[none]", "rloo_advantages")
+    cases = [c for c in C.cases(DEVICE, quick=True) if c["op"] in group_ops]
+    for case in cases:
+        same = [c for c in cases if c["op"] == case["op"] and c["size"] == case["size"]]
+        torch.testing.assert_close(case["fn"](), same[-1]["fn"](), rtol=1e-5, atol=1e-5)  # the eager peer
+        if case["baseline"] and case["impl"] != "torch":
+            continue
+        op = dispatch._OPS["group_advantages" if case["op"] == "group_advantages[group]" else case["op"]]
+        ran = []
+        saved = dict(op.impls)
+        try:
+            for backend, fn in saved.items():
+                op.impls[backend] = lambda *a, _b=backend, _f=fn, **k: (ran.append(_b), _f(*a, **k))[1]
+            case["fn"]()
+        finally:
+            op.impls.update(saved)
+        assert ran == [case["impl"]], (case["op"], case["impl"], ran)
+        assert dispatch._forced == before

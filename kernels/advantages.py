@@ -172,6 +172,8 @@ def group_advantages_reference(
     rewards: torch.Tensor, group_size: int, scale: str, eps: float, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
     x = rewards.to(dtype).reshape(-1, group_size)
+    if scale == "none":  # no std to compute (the torch back end of scale="none"; same mean as _group_stats)
+        return (x - x.mean(-1, keepdim=True)).reshape(-1)
     mean, std = _group_stats(x)
     centred = x - mean
     if scale == "group":
@@ -203,7 +205,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 # ---------------------------------------------------------------------------------------------------
 _gae = KernelOp("gae")
 _discounted = KernelOp("discounted_returns")
-_group = KernelOp("group_advantages")
+# group_advantages is dispatched per scale: the benchmark times scale="group" and scale="none" as two ops,
+# and they differ in which back end ``auto`` may use (dispatch.AUTO_BACKENDS). Both have the same back ends.
+_group = KernelOp("group_advantages")  # scale="group" (GRPO) and "batch"
+_group_none = KernelOp("group_advantages[none]")  # scale="none" (Dr.GRPO)
 _rloo = KernelOp("rloo_advantages")
 
 
@@ -249,17 +254,21 @@ def _discounted_triton(rewards, mask, gamma):
 _SCALE_NAMES = {v: k for k, v in SCALES.items()}
 
 
+@_group_none.register("torch")
 @_group.register("torch")
 def _group_torch(rewards, group_size, scale, eps):
     return group_advantages_reference(rewards, group_size, _SCALE_NAMES[scale], eps).float()
 
 
+@_group_none.register("cpp", CPU_LIBRARY)
+@_group_none.register("cuda", CUDA_LIBRARY)
 @_group.register("cpp", CPU_LIBRARY)
 @_group.register("cuda", CUDA_LIBRARY)
 def _group_native(rewards, group_size, scale, eps):
     return torch.ops.palestra.group_advantages(rewards, group_size, scale, eps)
 
 
+@_group_none.register("triton")
 @_group.register("triton")
 def _group_triton(rewards, group_size, scale, eps):
     from . import triton_advantages  # noqa: F401
@@ -429,7 +438,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         f"eps must be > 0 with scale={scale!r} (a group of equal rewards has std 0), got {eps}",
     )
     r = _as_float32(rewards)
-    return _group(r.device)(r, int(group_size), SCALES[scale], float(eps))
+    op = _group_none if scale == "none" else _group
+    return op(r.device)(r, int(group_size), SCALES[scale], float(eps))
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 Every op has up to four implementations: ``torch`` (the plain reference, always there), ``cpp`` (the
 JIT-built CPU library), ``cuda`` (the JIT-built CUDA library) and ``triton``. The device of the input
-picks one; ``PALESTRA_KERNELS=torch|cpp|cuda|triton`` or :func:`set_backend` (the config key
-``kernels.backend``) forces one.
+picks one (``AUTO_ORDER``), among the back ends :data:`AUTO_BACKENDS` allows for that op on that device;
+``PALESTRA_KERNELS=torch|cpp|cuda|triton`` or :func:`set_backend` (the config key ``kernels.backend``)
+forces one.
 
+* Automatic choice never picks a back end that the project's own benchmark shows slower than the torch
+  reference for that op (see :data:`AUTO_BACKENDS`).
 * Automatic choice degrades gracefully: if a native back end fails to build, one warning names the op
   and the reason, and the next candidate (in the end the torch reference) is used.
 * A back end asked for explicitly that cannot run is an error, not a silent fallback.
@@ -22,12 +25,62 @@ import torch
 
 from .build import KernelBuildError, NativeLibrary
 
-__all__ = ["BACKENDS", "KernelOp", "set_backend", "forced_backend", "BackendUnavailable", "triton_available"]
+__all__ = [
+    "AUTO_BACKENDS",
+    "BACKENDS",
+    "KernelOp",
+    "set_backend",
+    "forced_backend",
+    "auto_order",
+    "BackendUnavailable",
+    "triton_available",
+]
 
 BACKENDS = ("torch", "cpp", "cuda", "triton")
 # Automatic preference per device type. Triton on a CPU only runs under its (slow) interpreter, so it is
 # never chosen automatically there.
 AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpp", "torch")}
+
+# The back ends ``auto`` may use, per (op, device type); AUTO_ORDER gives their order. A pair not listed may
+# use every back end of AUTO_ORDER (no benchmark says otherwise: nothing is recorded on a GPU yet).
+# The rule: ``auto`` never picks a back end that the project's own benchmark shows slower than the
+# reference, Palestra's torch back end (the ``torch`` rows: the same public call, forced to torch, through
+# the same wrapper as ``cpp``; bench/cases_advantages.py), in any recorded run: bench/results/cpu.json (run 1,
+# table in cpu.txt) and cpu-run2.json (run 2, cpu-run2.txt), 2-core CPU, medians at the benchmark's sizes,
+# figures below as run 1 / run 2. Where a recorded run has no torch row yet (ops not re-measured since the
+# torch rows were added), its peer implementations stand in for the reference. The peers (TRL-style eager,
+# torchrl, verl-style loops) are reported, not the rule; ``sum`` (one read pass over the logits) is a floor.
+# tests/kernels/test_auto_dispatch.py checks what ``auto`` picks against those files; re-check this table
+# when they are re-recorded. The torch reference is always allowed: it is the last resort.
+AUTO_BACKENDS: dict[tuple[str, str], tuple[str, ...]] = {
+    # gae B=256 T=1024 (2026-12-02, 2 threads, no torch row): cpp 0.33 / 0.23 ms; peers torchrl-vec 36 / 49 ms
+    # (110x / 218x), verl-loop 81 / 84 ms (247x / 375x)
+    ("gae", "cpu"): ("cpp", "torch"),
+    # discounted_returns B=256 T=1024 (2026-12-02, 2 threads, no torch row): cpp 0.74 / 0.73 ms; peer
+    # verl-loop 24 / 27 ms (32x / 38x)
+    ("discounted_returns", "cpu"): ("cpp", "torch"),
+    # The three group ops below: re-measured 2026-12-03, 1 thread, back ends alternated
+    # (python bench/cases_advantages.py --update). B=8192 group=16, medians of single calls.
+    # group_advantages[group]: cpp 14.1 / 14.2 us; torch 44.1 / 44.2 us (3.13x / 3.12x);
+    # peer torch-eager 95 / 98 us. (This op also serves scale="batch", which the benchmark does not time.)
+    ("group_advantages", "cpu"): ("cpp", "torch"),
+    # group_advantages[none]: cpp 10.2 / 10.2 us; torch 20.2 / 20.2 us (1.99x / 1.98x);
+    # peer torch-eager 8.8 / 8.8 us (cpp 0.86x / 0.86x of it: the kernel alone, torch.ops.palestra.
+    # group_advantages, takes ~4.8 us; the public call's argument checks and dispatch add ~5.5 us)
+    ("group_advantages[none]", "cpu"): ("cpp", "torch"),
+    # rloo_advantages: cpp 8.5 / 8.6 us; torch 25.7 / 25.4 us (3.02x / 2.95x); peer torch-eager 12.3 / 12.3 us
+    # (1.45x / 1.44x). (The 2026-12-02 runs, 2 threads, cpp timed with ``set_backend`` in a context manager
+    # around every call, not alternated, no torch row, had cpp 41 / 22 us against eager 24 / 25 us.)
+    ("rloo_advantages", "cpu"): ("cpp", "torch"),
+    # logprob_entropy 4096x32768 fp32 (2026-12-02, 2 threads, no torch row), forward: cpp 44 / 28 ms; peers
+    # torch-eager 1.20 / 1.02 s (27x / 37x), trl 1.13 / 0.96 s (26x / 35x). Forward + backward: cpp 128 / 137
+    # ms; torch-eager 3.0 / 2.5 s (23x / 18x), trl 3.3 / 2.4 s (26x / 17x)
+    ("logprob_entropy", "cpu"): ("cpp", "torch"),
+    # normalize_rewards 64K and 1M rewards, S=1 and S=8 segments (2026-12-02, 2 threads, no torch row):
+    # cpp 0.047-5.1 / 0.046-3.3 ms; faster than the peers torch-eager at every size (3.2x-11x / 4.4x-11x)
+    # and trl-style (2.5x-8.0x / 1.75x-14x)
+    ("normalize_rewards", "cpu"): ("cpp", "torch"),
+}
 
 _forced: str | None = None
 _OPS: dict[str, "KernelOp"] = {}  # every KernelOp by name, for the compile-time constant lookup below
@@ -58,6 +111,16 @@ def forced_backend() -> str | None:
     if env not in BACKENDS:
         raise ValueError(f"PALESTRA_KERNELS={env!r} is not a back end; choose one of auto, {', '.join(BACKENDS)}")
     return env
+
+
+def auto_order(op: str, device_type: str) -> tuple[str, ...]:
+    """The back ends ``auto`` tries for ``op`` on ``device_type``, best first: AUTO_ORDER less those
+    :data:`AUTO_BACKENDS` does not allow; the torch reference always ends it."""
+    order = AUTO_ORDER.get(device_type, ("torch",))
+    allowed = AUTO_BACKENDS.get((op, device_type))
+    if allowed is not None:
+        order = tuple(b for b in order if b in allowed)
+    return order if "torch" in order else (*order, "torch")
 
 
 def triton_available(device: torch.device) -> str | None:
@@ -129,7 +192,7 @@ class KernelOp:
             self._ready(forced, device)  # explicit request: failure is an error
             chosen = forced
         else:
-            for backend in AUTO_ORDER.get(device.type, ("torch",)):
+            for backend in auto_order(self.name, device.type):
                 try:
                     self._ready(backend, device)
                     chosen = backend
