@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palestra.multiagent.generation import generate_by_agent
 from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.types import (
     AgentId,
@@ -18,7 +19,6 @@ from palestra.types import (
     Experience,
     Generation,
     Generator,
-    HeldOutScoring,
     Observation,
     Policy,
     SamplingParams,
@@ -212,88 +212,3 @@ def joint_state(episode: Episode, turn: int) -> str:
         return state
     earlier = [f"[{t.agent_id}] {t.completion}" for t in episode.turns[:turn]]
     return "\n".join([*earlier, obs.prompt])
-
-
-def merge_generations(parts: Sequence[Generation], rows: Sequence[Sequence[int]], pad_token_id: int) -> Generation:
-    """One :class:`Generation` from several over disjoint rows: ``parts[k]`` answered rows ``rows[k]`` of the whole."""
-    import torch
-
-    n = sum(len(r) for r in rows)
-    p = max(g.prompt_ids.shape[1] for g in parts)
-    t = max(g.completion_ids.shape[1] for g in parts)
-    first = parts[0]
-    dev = first.prompt_ids.device
-    out = Generation(
-        texts=[""] * n,
-        prompt_ids=torch.full((n, p), pad_token_id, dtype=torch.int64, device=dev),
-        prompt_mask=torch.zeros((n, p), dtype=torch.bool, device=dev),
-        completion_ids=torch.full((n, t), pad_token_id, dtype=torch.int64, device=dev),
-        completion_mask=torch.zeros((n, t), dtype=torch.bool, device=dev),
-        logprobs=torch.zeros((n, t), dtype=torch.float32, device=dev),
-    )
-    for g, idx in zip(parts, rows):
-        i = torch.as_tensor(list(idx), dtype=torch.int64, device=dev)
-        gp, gt = g.prompt_ids.shape[1], g.completion_ids.shape[1]
-        out.prompt_ids[i, p - gp :] = g.prompt_ids  # prompts are left-padded
-        out.prompt_mask[i, p - gp :] = g.prompt_mask
-        out.completion_ids[i, :gt] = g.completion_ids  # completions right-padded
-        out.completion_mask[i, :gt] = g.completion_mask
-        out.logprobs[i, :gt] = g.logprobs
-        for k, text in zip(idx, g.texts):
-            out.texts[k] = text
-    return out
-
-
-def generate_by_agent(
-    backend: Generator, policy: Any, observations: Sequence[Observation], params: SamplingParams, *, rng: torch.Generator | None = None
-) -> Generation:
-    """Sample each agent's rows with ``policy.for_agent(agent_id)``, in order of first appearance; one Generation back."""
-    order = list(dict.fromkeys(o.agent_id for o in observations))
-    rows = [[i for i, o in enumerate(observations) if o.agent_id == a] for a in order]
-    if len(order) == 1:
-        return backend.generate(policy.for_agent(order[0]), observations, params, generator=rng)
-    parts = [
-        backend.generate(policy.for_agent(a), [observations[i] for i in idx], params, generator=rng)
-        for a, idx in zip(order, rows)
-    ]
-    return merge_generations(parts, rows, policy.tokenizer.pad_token_id)
-
-
-def _agent_rows(episodes: Sequence[Episode], agent_id: AgentId) -> tuple[list[int], tuple[list[str], list[str], list[dict[str, Any]]]]:
-    """The episodes where ``agent_id`` acted, and their reward rows (that agent's last turn)."""
-    picked = [e for e, ep in enumerate(episodes) if ep.by_agent(agent_id)]
-    return picked, reward_rows([episodes[e] for e in picked], agent_id)
-
-
-def credit_rewards(
-    reward: Any, rollout: Rollout, agent_ids: Sequence[AgentId], credit: str, team: Any
-) -> tuple[dict[AgentId, torch.Tensor] | None, dict[str, float]]:
-    """Per-agent rewards: ``(agent_scores, metrics)``.
-
-    ``credit == "role"``: ``agent_scores[a][e]`` is ``reward`` on agent ``a``'s own last turn of episode ``e`` (the
-    reward sees ``metadata["agent_id"]``), for :meth:`Rollout.experience`. ``"team"``: None (every row keeps its
-    episode's reward). Either way ``metrics`` has ``reward/agent/<a>`` for every agent that acted, its own turn's
-    score (with team credit from ``reward.evaluate``: the reward's state, a curriculum's progress, is not
-    advanced by metrics). ``team`` is the reward's output on the episodes'
-    last turns, reused where an agent's rows are exactly those.
-    """
-    import torch
-
-    episodes = rollout.episodes
-    last = reward_rows(episodes)
-    role = credit == "role"
-    score = reward.evaluate if not role and isinstance(reward, HeldOutScoring) else reward
-    agent_scores: dict[AgentId, torch.Tensor] = {}
-    metrics: dict[str, float] = {}
-    for a in list(dict.fromkeys([*agent_ids, *(t.agent_id for ep in episodes for t in ep.turns)])):
-        picked, rows = _agent_rows(episodes, a)
-        if not picked:
-            continue
-        same = len(picked) == len(episodes) and rows[1] == last[1] and [m["turn"] for m in rows[2]] == [m["turn"] for m in last[2]]
-        out = team if (role and same) else score(*rows)
-        scores = out.scores.float()
-        full = torch.zeros(len(episodes), dtype=torch.float32, device=scores.device)
-        full[torch.as_tensor(picked, device=scores.device)] = scores
-        agent_scores[a] = full
-        metrics[f"reward/agent/{a}"] = float(scores.mean())
-    return (agent_scores if role else None), metrics

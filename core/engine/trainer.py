@@ -34,7 +34,8 @@ import torch
 from palestra.config import Config, build_component
 from palestra.context import TrainContext
 from palestra.engine import checkpoint as ckpt
-from palestra.engine.rollout import Rollout, collect, credit_rewards
+from palestra.engine.rollout import Rollout, collect
+from palestra.multiagent.credit import credit_rewards
 from palestra.engine.watchdog import StepWatchdog, call_with_timeout
 from palestra.multiagent.sharing import wrap_policy
 from palestra.plugin_manager import get_plugin_manager

@@ -1,0 +1,1 @@
+"""The policy base every causal-LM policy builds on, and sampling."""

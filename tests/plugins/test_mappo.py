@@ -17,7 +17,8 @@ from palestra.config import AgentsConfig, TrainConfig
 from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect, credit_rewards
+from palestra.engine.rollout import collect
+from palestra.multiagent.credit import credit_rewards
 from palestra.types import Observation, RewardOutput, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
