@@ -41,6 +41,11 @@ SPLIT = {
             "Layer", "Layered", "LayeredOptions", "WeightedComponent", "WeightedSum", "WeightedSumOptions",
         ),
     },
+    "palestra.rollout": {
+        "palestra.multiagent.credit": ("credit_rewards",),
+        "palestra.multiagent.generation": ("generate_by_agent", "merge_generations"),
+    },
+    "palestra.marl": {"palestra.rl": ("masked_mean",)},  # ppo_actor_loss / clipped_value_loss: palestra.rl's losses
     "palestra.algorithm": {
         "palestra.rl": (
             "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "group_size_of", "kl_divergence", "kl_shaped_rewards",

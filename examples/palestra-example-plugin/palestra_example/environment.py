@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from palestra.types import DEFAULT_AGENT, Message, Observation, StepResult
+from palestra import DEFAULT_AGENT, Message, Observation, StepResult
 
 DEFAULT_VOCABULARY = (
     "apple", "river", "lantern", "mountain", "violin", "harbour", "pepper", "glacier",
