@@ -15,6 +15,10 @@ built-ins are found and registered exactly the way third-party plugins are. What
   later says why it is missing. Everything else keeps working.
 * a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
   error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
+* a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=1.0,<2"`` in its module)
+  that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions;
+* a plugin implementing a hook under its old name (:data:`palestra.hookspecs.RENAMED_HOOKS`) keeps working for
+  one API version, with a DeprecationWarning naming both names.
 
 Environment variables, read when the manager is first built (call :func:`reset` to re-read them):
 
@@ -99,6 +103,7 @@ class PluginInfo:
     builtin: bool
     hooks: tuple[str, ...]  # the hooks it implements
     error: str | None = None  # why it is disabled; None when it works
+    api: str | None = None  # the plugin API versions it declares it supports (a specifier), None: undeclared
 
 
 @dataclass
@@ -234,9 +239,15 @@ class _Loader:
         try:
             for ep in eps:
                 plugin = ep.load()
+                _check_api(plugin, ep.name)
                 name = ep.name if self.pm.get_plugin(ep.name) is None else f"{self.dist_names.name(dist)}:{ep.name}"
-                self.pm.register(plugin, name=name)
+                self.pm.register(_with_current_hook_names(plugin, name), name=name)
                 registered.append((name, plugin, ep))
+        except IncompatiblePlugin as e:
+            for name, _, _ in registered:
+                self.pm.unregister(name=name)
+            self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, str(e), api=e.declared)
+            return
         except Exception as e:
             for name, _, _ in registered:
                 self.pm.unregister(name=name)
@@ -246,19 +257,21 @@ class _Loader:
             self._loaded(plugin, name, ep.value, dist, builtin=False)
 
     def _loaded(self, plugin: object, name: str, module: str, dist: metadata.Distribution, *, builtin: bool) -> None:
-        hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()))
+        hooks = tuple(sorted(h.name for h in self.pm.get_hookcallers(self.pm.get_plugin(name)) or ()))
         dist_name, version = self.dist_names.name(dist), self.dist_names.version(dist)
+        api = _declared_api(plugin)
         self.plugins.append(
-            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=builtin, hooks=hooks)
+            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=builtin, hooks=hooks, api=api)
         )
         self.trace("loaded", "built-in" if builtin else "third-party", "plugin", repr(name), "from", dist_name, version)
 
-    def _disable(self, name: str, module: str, dist: metadata.Distribution, error: str) -> None:
+    def _disable(self, name: str, module: str, dist: metadata.Distribution, error: str, *, api: str | None = None) -> None:
         dist_name, version = self.dist_names.name(dist), self.dist_names.version(dist)
         _warn_broken(dist_name, error)
         self.broken.append(BrokenPlugin(plugin=name, distribution=dist_name, error=error))
         self.plugins.append(
-            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=False, hooks=(), error=error)
+            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=False, hooks=(),
+                       error=error, api=api)
         )
 
     def _check_pending(self) -> None:
@@ -331,6 +344,66 @@ def _requested_distributions() -> set[str] | None:
     if raw is None:
         return None
     return {_normalise(part.strip()) for part in raw.split(",") if part.strip()}
+
+
+# ---- plugin API versions and renamed hooks ------------------------------------------------------------
+class IncompatiblePlugin(Exception):
+    """A plugin declares plugin API versions that exclude this palestra's (or a specifier that cannot be read)."""
+
+    def __init__(self, message: str, declared: str | None) -> None:
+        super().__init__(message)
+        self.declared = declared
+
+
+def _declared_api(plugin: object) -> str | None:
+    """The plugin API specifier a plugin module declares (``PALESTRA_PLUGIN_API``), or None."""
+    declared = getattr(plugin, hookspecs.PLUGIN_API_ATTRIBUTE, None)  # a declaration, like pluggy's hookimpl markers
+    return None if declared is None else str(declared)
+
+
+def _check_api(plugin: object, name: str) -> None:
+    """Raise :class:`IncompatiblePlugin` when the plugin's declared API range excludes :data:`hookspecs.PLUGIN_API`."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    declared = _declared_api(plugin)
+    if declared is None:
+        return
+    try:
+        supported = SpecifierSet(declared)
+    except InvalidSpecifier:
+        raise IncompatiblePlugin(
+            f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} = {declared!r}, which is not a version specifier "
+            "(write e.g. '>=1.0,<2')", declared,
+        ) from None
+    if not supported.contains(hookspecs.PLUGIN_API, prereleases=True):
+        raise IncompatiblePlugin(
+            f"plugin {name!r} supports plugin API {declared}, but this palestra provides plugin API "
+            f"{hookspecs.PLUGIN_API}; install a version of the plugin built for {hookspecs.PLUGIN_API}", declared,
+        )
+
+
+class _RenamedHooks:
+    """A plugin seen through the current hook names: its old-name implementations answer to the new names."""
+
+    def __init__(self, plugin: object, renamed: dict[str, str]) -> None:
+        for name in dir(plugin):
+            if not name.startswith("_"):
+                setattr(self, renamed.get(name, name), getattr(plugin, name))
+
+
+def _with_current_hook_names(plugin: object, name: str) -> object:
+    """``plugin``, or an adapter of it when it implements hooks by a name :data:`hookspecs.RENAMED_HOOKS` retired."""
+    old = [h for h in hookspecs.RENAMED_HOOKS if callable(getattr(plugin, h, None))]
+    if not old:
+        return plugin
+    for hook in old:
+        warnings.warn(
+            f"plugin {name!r} implements {hook!r}, now called {hookspecs.RENAMED_HOOKS[hook]!r} (plugin API "
+            f"{hookspecs.PLUGIN_API}); the old name goes with the next plugin API version",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    return _RenamedHooks(plugin, {h: hookspecs.RENAMED_HOOKS[h] for h in old})
 
 
 # ---- registration ------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """List installed plugins: their distribution and version, the hooks they implement and what they register.
 
 Third-party plugins only by default (``--all`` adds palestra's built-ins); a plugin that failed to load is
-listed with its error. ``--json`` prints a JSON list, one object per plugin, for scripts.
+listed with its error. The table starts with the plugin API version palestra provides, and each plugin's
+declared API range (``PALESTRA_PLUGIN_API``) shows with its version. ``--json`` prints a JSON list, one object per
+plugin (with ``api``, its declared range, and ``plugin_api``, palestra's), for scripts.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import json
 from typing import Any
 
+from palestra import __version__
+from palestra.hookspecs import PLUGIN_API
 from palestra.plugin_manager import PluginInfo, get_registry, plugin_infos
 from palestra.registry import KINDS, Registry
 
@@ -27,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [describe(info, registry) for info in plugin_infos() if args.all or not info.builtin]
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif rows:
+        return 0
+    print(f"palestra {__version__}, plugin API {PLUGIN_API}")
+    if rows:
         print(format_table(rows))
     else:
         print("No third-party plugins are installed (palestra plugins --all also lists the built-ins).")
@@ -43,6 +49,8 @@ def describe(info: PluginInfo, registry: Registry) -> dict[str, Any]:
         "module": info.module,
         "builtin": info.builtin,
         "hooks": list(info.hooks),
+        "api": info.api,
+        "plugin_api": PLUGIN_API,
     }
     mine = registry.by_plugin(info.name) if info.error is None else []
     for kind, plural in PLURALS.items():
@@ -68,7 +76,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 (
                     name if first else "",
                     (row["distribution"] or "-") if first else "",
-                    (row["version"] or "-") if first else "",
+                    ((row["version"] or "-") + (f" (API {row['api']})" if row["api"] else "")) if first else "",
                     hooks[i] if i < len(hooks) else ("-" if first else ""),
                     provides[i] if i < len(provides) else ("-" if first else ""),
                 )

@@ -11,6 +11,8 @@ from .environment import WordUsageEnvironment, WordUsageOptions
 from .reward import KeywordCoverage, KeywordOptions
 
 __version__ = "0.1.0"
+# The plugin API versions this plugin is written for: palestra disables it, with one warning, if it provides another.
+PALESTRA_PLUGIN_API = ">=1.0,<2"
 
 
 @hookimpl
