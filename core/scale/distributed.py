@@ -267,7 +267,9 @@ class DistributedContext:
         # role: a multi-agent policy's rollout calls an agent's view (and its blocks) directly, before any forward
         # of the policy itself, and the policy's first training forward then fails ("already lazily initialized").
         policy._get_fsdp_state()._lazy_init()
-        route_through_forward(policy)
+        from palestra.multiagent.sharing import MultiAgentPolicy
+
+        route_through_forward(policy, _ROUTED_MULTI_AGENT if isinstance(policy, MultiAgentPolicy) else _ROUTED)
         # The blocks return views of their input's storage; nothing downstream modifies them in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return policy
@@ -308,7 +310,8 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 # ---- FSDP2 entry points ------------------------------------------------------------------------------
-_ROUTED = ("score", "decode_step", "trunk")
+_ROUTED = ("score", "decode_step", "trunk")  # a causal-LM policy's entry points
+_ROUTED_MULTI_AGENT = ("score", "decode_step")  # a multi-agent policy's (its views have the trunks)
 
 
 def route_through_forward(policy: torch.nn.Module, methods: Sequence[str] = _ROUTED) -> None:
@@ -353,5 +356,4 @@ def route_through_forward(policy: torch.nn.Module, methods: Sequence[str] = _ROU
 
     policy.forward = forward  # type: ignore[method-assign]
     for name in methods:
-        if hasattr(cls, name):
-            setattr(policy, name, wrap(name))
+        setattr(policy, name, wrap(name))
