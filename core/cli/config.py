@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import yaml
 
-from palestra.config import load_config
+from palestra.config import ConfigError, load_config
+from palestra.config.loading import CONFIG_SUFFIXES, is_override_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def split_file_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     """``[FILE] [key=value ...]``: the first item is the file when it is not an override."""
     if items and "=" not in items[0]:
-        return items[0], items[1:]
+        first = items[0]
+        # `train.steps` (a key without its value) would otherwise be read as a file with the suffix ".steps"
+        if is_override_key(first) and Path(first).suffix.lower() not in CONFIG_SUFFIXES and not Path(first).exists():
+            raise ConfigError(
+                f"{first!r} is not a config file ({', '.join(CONFIG_SUFFIXES)}) and not an override: "
+                f"overrides are key=value, e.g. {first}=VALUE"
+            )
+        return first, items[1:]
     return None, items
 
 

@@ -36,7 +36,7 @@ class MetricsNotFoundError(FileNotFoundError):
 
 
 class MetricsFileWarning(UserWarning):
-    """Lines of a metrics file that could not be read (other than a last line cut short by a crash)."""
+    """Lines of a metrics file that could not be read, so records a plot leaves out: how many, where and why."""
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -55,30 +55,41 @@ def metrics_path(run_dir: str | Path) -> Path:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of a run's ``metrics.jsonl``, in file order, with ``null`` read back as NaN.
 
-    A last line cut short (the run crashed mid-write) is dropped silently; any other unreadable line is
-    dropped with a :class:`MetricsFileWarning` that says how many and where.
+    Unreadable lines (not JSON, JSON but not an object, a last line cut short because the run stopped
+    mid-write) are dropped with one :class:`MetricsFileWarning` that says how many, where and why: a plot
+    must not quietly miss records.
     """
     path = metrics_path(run_dir)
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
+    # the last line is cut short when no newline follows it: the logger writes each record with its newline
+    cut_short = bool(lines) and "\n" not in text[len("\n".join(lines)) :]
     records: list[dict[str, Any]] = []
-    bad: list[int] = []
+    bad: dict[str, list[int]] = {"not JSON": [], "not a JSON object": [], "cut short": []}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            record = None
+            bad["cut short" if cut_short and number == len(lines) else "not JSON"].append(number)
+            continue
         if not isinstance(record, dict):
-            if number != len(lines):
-                bad.append(number)
+            bad["not a JSON object"].append(number)
             continue
         records.append({k: (math.nan if v is None else v) for k, v in record.items()})
-    if bad:
+    skipped = sorted(n for numbers in bad.values() for n in numbers)
+    if skipped:
+        why = [f"{len(bad[k])} {k}" for k in ("not JSON", "not a JSON object") if bad[k]]
+        if bad["cut short"]:
+            why.append("the last line is cut short (the run stopped mid-write)")
         warnings.warn(
-            f"{path}: skipped {len(bad)} unreadable line(s) (first at line {bad[0]})", MetricsFileWarning, stacklevel=2
+            f"{path}: skipped {len(skipped)} unreadable line(s) (first at line {skipped[0]}): {', '.join(why)}; "
+            "their records are left out",
+            MetricsFileWarning,
+            stacklevel=2,
         )
     return records
 

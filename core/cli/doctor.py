@@ -10,6 +10,7 @@ or ``skipped`` (with why, e.g. no GPU):
    each call under ``train.data_timeout_s``;
 5. training: one real training step (the same Trainer as ``palestra train``) with the gradient norm of every
    parameter group, flagged when zero, NaN/inf or exploding; and the process's CPU/GPU use during the step.
+   A step the trainer skips (a non-finite reward, loss or gradient) is one failure naming the cause.
 
 ``palestra doctor [--config FILE] [key=value ...]`` reads the same config as ``palestra train``. ``--json``
 prints one JSON object for scripts. The exit status is 1 when a check failed (a missing GPU is ``skipped``).
@@ -20,14 +21,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -606,24 +610,36 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             fn()
     warmup_s = time.perf_counter() - started
     try:
-        with UtilisationSampler().measure() as u:
+        with UtilisationSampler().measure() as u, skip_reasons() as reasons:
             metrics = trainer.train_step()
     finally:
         recorder.remove()
         trainer.algorithm.prepare = algorithm_prepare
     skipped = metrics.get("train/skipped", 0.0) > 0
+    cause = skip_cause(reasons)
     checks.append(
         Check(
             "training", "step", FAILED if skipped else OK,
             f"{config.optimizer.name} on {config.policy.name} ({sum(recorder.sizes.values()):,} trainable parameters), "
             f"{config.train.batch_size}x{config.train.group_size} rows: {metrics.get('perf/step_s', u['seconds']):.2f} s "
-            f"(build {build_s:.2f} s, kernels {warmup_s:.2f} s); loss {metrics.get('loss', math.nan):.4g}, reward {metrics.get('reward/mean', math.nan):.3f}, "
-            f"grad norm {metrics.get('grad/norm', math.nan):.3g}" + ("; the update was SKIPPED (non-finite loss or gradient)" if skipped else ""),
-            {"metrics": metrics, "build_s": build_s, "kernel_warmup_s": warmup_s},
+            f"(build {build_s:.2f} s, kernels {warmup_s:.2f} s)"
+            + (f"; the step was SKIPPED (no update): {cause}" if skipped else
+               f"; loss {metrics.get('loss', math.nan):.4g}, reward {metrics.get('reward/mean', math.nan):.3f}, "
+               f"grad norm {metrics.get('grad/norm', math.nan):.3g}"),
+            {"metrics": metrics, "build_s": build_s, "kernel_warmup_s": warmup_s, **({"skipped_because": cause} if skipped else {})},
         )
     )
     checks.append(Check("training", "utilisation", OK, describe_utilisation(u), u))
     groups = recorder.groups()
+    if skipped:
+        # A skipped step applies no gradient (a bad reward stops it before backward; a bad loss or norm zeroes the
+        # gradients), so per-group "zero gradients" would be one misleading failure per layer: the step's failure
+        # above is the finding. Groups whose gradient was already NaN/inf do locate a bad backward, so name them.
+        bad = [name for name, g in groups.items() if g["nonfinite"]]
+        where = f"; NaN/inf gradients in {', '.join(bad)}" if bad else ""
+        checks.append(Check("training", "gradient flow", SKIPPED, f"not checked: the step was skipped (see training/step){where}",
+                            {"nonfinite_groups": bad}))
+        return checks
     flat_zero = [name for name, g in groups.items() if g["reached"] == 0 or g["sq"] == 0.0]
     for name, g in groups.items():
         norm = math.sqrt(g["sq"])
@@ -647,6 +663,45 @@ def check_training(config: Config, threshold: float) -> list[Check]:
     if groups and len(flat_zero) == len(groups):
         checks.append(Check("training", "gradient flow", FAILED, zero_gradient_hint(prepared.get("batch"), torch)))
     return checks
+
+
+@contextmanager
+def skip_reasons() -> Iterator[dict[str, list[str]]]:
+    """Why a step was skipped, in the engine's own words: the trainer's NonFiniteStepWarning and the learner's
+    log line. Other warnings raised meanwhile are issued again as usual."""
+    from palestra.engine.trainer import NonFiniteStepWarning
+
+    reasons: dict[str, list[str]] = {"trainer": [], "learner": []}
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reasons["learner"].append(record.getMessage())
+
+    logger, handler = logging.getLogger("palestra.engine.learner"), Collect(logging.WARNING)
+    logger.addHandler(handler)
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NonFiniteStepWarning)
+            yield reasons
+    finally:
+        logger.removeHandler(handler)
+        for w in caught:
+            if issubclass(w.category, NonFiniteStepWarning):
+                reasons["trainer"].append(str(w.message))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def skip_cause(reasons: dict[str, list[str]]) -> str:
+    """The learner's line names the pass and micro-batch of a bad update; the trainer's names a bad reward.
+    Their framing ("step 1 skipped: ...", the count in a row) is dropped: the report line already says it."""
+    if reasons["learner"]:
+        return reasons["learner"][0].partition("skipped the optimiser step: ")[2] or reasons["learner"][0]
+    if reasons["trainer"]:
+        text = re.sub(r"^step \d+ skipped: ", "", reasons["trainer"][0])
+        return re.sub(r" \(\d+ in a row, limit [^)]*\)$", "", text)
+    return "a non-finite reward, loss or gradient"
 
 
 def zero_gradient_hint(batch: Any, torch: Any) -> str:

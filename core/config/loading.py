@@ -16,16 +16,28 @@ from .schema import Config
 from .validation import _ACTIVE_REGISTRY, _Override, _convert, _join, _kind_of, default_registry, to_plain
 
 # ---- loading -----------------------------------------------------------------------------------------
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
+
+
 def load_config(
     path: str | Path | None = None, overrides: Sequence[str] = (), *, registry: Registry | None = None
 ) -> Config:
-    """Read a YAML or TOML file (the built-in default when ``path`` is None), apply ``key=value`` overrides, validate."""
+    """Read a YAML or TOML file (the built-in default when ``path`` is None), apply ``key=value`` overrides, validate.
+
+    An override that names another component for a node (``reward.name=format``) also resets that node's
+    options to the new component's defaults; ``<node>.options...`` overrides still apply, in any order.
+    """
     raw = to_plain(Config())
     if path is not None:
         raw.update(read_config_file(path))  # sections the file names replace the defaults wholesale
+    applied: list[tuple[list[str | int], Any]] = []
     for text in overrides:
         keys, value = parse_override(text)
+        renamed = _renames_component(raw, keys, value)
         _set_path(raw, keys, value)
+        if renamed:
+            _reset_options(raw, keys[:-1], applied)
+        applied.append((keys, value))
     return validate_config(raw, registry=registry)
 
 
@@ -42,14 +54,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The file's top-level mapping; ``.yaml``/``.yml`` or ``.toml``."""
     p = Path(path)
     suffix = p.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".toml"):
+    if suffix not in CONFIG_SUFFIXES:
         raise ConfigError(f"config file {str(p)!r}: unknown format {suffix or '(no suffix)'!r}; use .yaml, .yml or .toml")
     try:
-        text = p.read_text(encoding="utf-8")
+        data_bytes = p.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except OSError as e:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = data_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:  # a Latin-1 or UTF-16 file: say where, not a traceback
+        line = data_bytes.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{p}:{line}: not UTF-8 text (byte 0x{data_bytes[e.start]:02x} at offset {e.start}); save the file as UTF-8"
+        ) from None
     if suffix == ".toml":
         try:
             import tomllib
@@ -64,7 +83,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
+        except DuplicateKeyError as e:
+            raise ConfigError(
+                f"{p}:{e.line}:{e.column}: {e.key}: duplicate key (first at line {e.first_line}); a key may appear once"
+            ) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
@@ -80,9 +103,61 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
+# ---- YAML without silent duplicates ------------------------------------------------------------------
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice; PyYAML would silently keep the last one."""
+
+    def __init__(self, keys: list[str | int], line: int, column: int, first_line: int) -> None:
+        self.keys, self.line, self.column, self.first_line = keys, line, column, first_line
+        super().__init__(f"{self.key}: duplicate key at line {line} (first at line {first_line})")
+
+    @property
+    def key(self) -> str:
+        return _format_path(self.keys)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` (plain data only, no arbitrary objects) that raises :class:`DuplicateKeyError`."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()  # composed, not yet constructed: keys still have their lines
+        if node is None:
+            return None
+        _check_unique_keys(node, [], set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(node: yaml.Node, path: list[str | int], seen: set[int]) -> None:
+    if id(node) in seen:  # an alias of a node already checked (and no endless walk through recursive aliases)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                # `<<: *base` merges keys that this mapping may override on purpose: not duplicates
+                _check_unique_keys(value_node, path, seen)
+                continue
+            key, line = key_node.value, key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKeyError([*path, key], line, key_node.start_mark.column + 1, first[key])
+            first[key] = line
+            _check_unique_keys(value_node, [*path, key], seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, [*path, index], seen)
+
+
 # ---- overrides ---------------------------------------------------------------------------------------
 _KEY = r"[A-Za-z_][A-Za-z0-9_\-]*"
 _OVERRIDE_KEY = re.compile(rf"^{_KEY}(\[\d+\])*(\.{_KEY}(\[\d+\])*)*$")
+
+
+def is_override_key(text: str) -> bool:
+    """Is ``text`` a dotted key as overrides name them (``train.lr``, ``reward.options.layers[1].weight``)?"""
+    return _OVERRIDE_KEY.match(text) is not None
 
 
 def parse_override(text: str) -> tuple[list[str | int], Any]:
@@ -99,7 +174,9 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
         keys.append(name)
         keys.extend(int(i.rstrip("]")) for i in indices)
     try:
-        parsed = yaml.safe_load(value_text) if value_text.strip() else None
+        parsed = load_yaml(value_text) if value_text.strip() else None
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {text!r}: {_format_path([*keys, *e.keys])}: duplicate key") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: cannot parse the value: {getattr(e, 'problem', None) or e}") from None
     value = parsed if isinstance(parsed, (list, dict)) else _Override(value_text.strip(), parsed)
@@ -137,6 +214,45 @@ def _set_path(raw: dict[str, Any], keys: list[str | int], value: Any) -> None:
         node[last] = value
     else:
         node[last] = value
+
+
+def _get_path(raw: Any, keys: Sequence[str | int]) -> Any:
+    """The node at ``keys``, or None where the path does not exist (yet)."""
+    node = raw
+    for key in keys:
+        if isinstance(key, int) and isinstance(node, list) and key < len(node):
+            node = node[key]
+        elif isinstance(key, str) and isinstance(node, dict):
+            node = node.get(key)
+        else:
+            return None
+    return node
+
+
+def _renames_component(raw: dict[str, Any], keys: list[str | int], value: Any) -> bool:
+    """Does this override name another component for a component node (``{name, options}``) that has options?"""
+    if len(keys) < 2 or keys[-1] != "name" or not isinstance(value, _Override):
+        return False
+    node = _get_path(raw, keys[:-1])
+    if not isinstance(node, dict) or not node.get("options"):
+        return False
+    old = node.get("name")
+    old = old.text if isinstance(old, _Override) else old
+    return isinstance(old, str) and old != value.text
+
+
+def _reset_options(raw: dict[str, Any], node_keys: list[str | int], applied: Sequence[tuple[list[str | int], Any]]) -> None:
+    """Start a renamed component's options from the new component's defaults.
+
+    The options the file or the built-in default gave were written for the component named before (the
+    layered reward's ``layers`` mean nothing to ``format``), so keeping them would fail validation or, worse,
+    quietly configure the new component. Options set by earlier overrides are the user's own: applied again.
+    """
+    _get_path(raw, node_keys)["options"] = {}
+    prefix = [*node_keys, "options"]
+    for keys, value in applied:
+        if keys[: len(prefix)] == prefix:
+            _set_path(raw, keys, value)
 
 
 def _format_path(keys: Sequence[str | int]) -> str:

@@ -2,8 +2,9 @@
 
 Advantages are group-relative: each completion's reward minus the mean of its prompt's group
 (``palestra.kernels.group_advantages``), divided by the group's std for GRPO (``scale="group"``) and
-not scaled for Dr.GRPO. The loss is the clipped PPO surrogate per token against the behaviour
-log-probs, plus ``beta`` times the k3 KL estimate to a frozen reference when ``beta > 0``.
+not scaled for Dr.GRPO; so both need ``train.group_size >= 2`` (checked at setup). The loss is the
+clipped PPO surrogate per token against the behaviour log-probs, plus ``beta`` times the k3 KL
+estimate to a frozen reference when ``beta > 0``.
 
 Defaults follow TRL's ``GRPOConfig``: ``beta=0`` (no reference model), ``clip_eps=0.2``,
 ``scale="group"``, and token-level aggregation over the whole batch (TRL's default ``"dapo"``; ours is
@@ -47,6 +48,17 @@ class GRPO(Algorithm):
     @property
     def needs_reference(self) -> bool:
         return self.options.beta > 0
+
+    def on_setup(self, policy: Any) -> None:
+        # Every scale centres on the group's mean: with one completion per prompt each advantage is exactly 0,
+        # and the run would spend its budget on steps that learn nothing from the reward. Refuse before training.
+        if self.train.group_size < 2:
+            from palestra.config import ConfigError
+
+            raise ConfigError(
+                f"train.group_size: {self.name}'s group-relative advantages need at least 2 completions per prompt, "
+                f"got {self.train.group_size} (every advantage would be 0)"
+            )
 
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import group_advantages
