@@ -14,12 +14,16 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["KernelBuildError", "NativeLibrary", "CPU_LIBRARY", "CUDA_LIBRARY", "csrc_dir", "cache_root", "cpu_simd_level"]
+__all__ = [
+    "KernelBuildError", "KernelCacheError", "NativeLibrary", "CPU_LIBRARY", "CUDA_LIBRARY", "csrc_dir", "cache_root",
+    "cache_dir_problem", "cpu_simd_level",
+]
 
 
 class KernelBuildError(RuntimeError):
@@ -28,6 +32,13 @@ class KernelBuildError(RuntimeError):
     def __init__(self, op: str, reason: str):
         self.op, self.reason = op, reason
         super().__init__(f"palestra kernel '{op}': {reason}")
+
+
+class KernelCacheError(KernelBuildError):
+    """The build cache is not a writable folder: no native library can be built or loaded, for any op."""
+
+    def __init__(self, reason: str):
+        super().__init__("all ops", reason)
 
 
 def csrc_dir() -> Path:
@@ -40,6 +51,29 @@ def cache_root() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "palestra"
     )
     return Path(root) / "extensions"
+
+
+def cache_dir_problem() -> str | None:
+    """``None`` if the build cache (:func:`cache_root`) is a writable folder (created if missing), else one line
+    naming ``PALESTRA_CACHE_DIR`` (or the default folder it would move) and why.
+
+    Writable is what a build needs even when its objects are cached already: torch's JIT loader takes a lock
+    file in the build folder and ninja rewrites its log there. The check creates and removes a probe file, so it
+    holds for root too (whom permission bits do not stop, unlike a read-only mount)."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+        return None
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if isinstance(e, FileExistsError):  # mkdir(exist_ok=True) says so when a file holds the name
+            why = "a file is in the way"
+        env = os.environ.get("PALESTRA_CACHE_DIR")
+        where = f"PALESTRA_CACHE_DIR={env!r}" if env else f"the kernel cache {str(root)!r} (set PALESTRA_CACHE_DIR to move it)"
+        return f"{where}: not a writable folder ({why})"
 
 
 # Which op each source file implements, so a compiler error can name the op. Files not listed
@@ -125,6 +159,9 @@ class NativeLibrary:
             raise KernelBuildError("all ops", "CUDA back end needs a CUDA build of torch and a visible GPU")
         if self.name != CPU_LIBRARY.name:
             CPU_LIBRARY.load()  # the schema (ops.cpp) lives in the CPU library
+        problem = cache_dir_problem()
+        if problem:  # a KernelBuildError, not an OSError from mkdir: ``auto`` falls back to torch on it
+            raise KernelCacheError(problem)
         build_dir = self._build_dir(files)
         build_dir.mkdir(parents=True, exist_ok=True)
         cflags, cuda_flags, ldflags = self._flags()

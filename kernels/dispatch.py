@@ -9,7 +9,8 @@ forces one.
 * Automatic choice never picks a back end that the project's own benchmark shows slower than the torch
   reference for that op (see :data:`AUTO_BACKENDS`).
 * Automatic choice degrades gracefully: if a native back end fails to build, one warning names the op
-  and the reason, and the next candidate (in the end the torch reference) is used.
+  and the reason, and the next candidate (in the end the torch reference) is used. One cause (a library
+  that failed to build, an unwritable ``PALESTRA_CACHE_DIR``) warns once, however many ops it affects.
 * A back end asked for explicitly that cannot run is an error, not a silent fallback.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .build import KernelBuildError, NativeLibrary
+from .build import KernelBuildError, KernelCacheError, NativeLibrary
 
 __all__ = [
     "AUTO_BACKENDS",
@@ -32,8 +33,11 @@ __all__ = [
     "set_backend",
     "forced_backend",
     "auto_order",
+    "check_backend",
     "BackendUnavailable",
+    "KernelFallbackWarning",
     "triton_available",
+    "warn_fallback",
 ]
 
 BACKENDS = ("torch", "cpp", "cuda", "triton")
@@ -90,6 +94,23 @@ class BackendUnavailable(KernelBuildError):
     """The back end cannot serve this device (e.g. ``cuda`` for a CPU tensor)."""
 
 
+class KernelFallbackWarning(RuntimeWarning):
+    """``auto`` could not use a native back end and serves the op with the next one (in the end torch).
+    Defined here so that the command line prints it as one ``palestra: warning:`` line."""
+
+
+_warned_causes: set[str] = set()  # the reasons already warned about, in this process
+
+
+def warn_fallback(message: str, cause: str, *, stacklevel: int = 2) -> None:
+    """Warn ``message`` unless ``cause`` was warned about already: one library failure (or one unwritable
+    cache folder) affects every op, and the user needs to read about it once."""
+    if cause in _warned_causes:
+        return
+    _warned_causes.add(cause)
+    warnings.warn(message, KernelFallbackWarning, stacklevel=stacklevel + 1)
+
+
 def set_backend(name: str | None) -> None:
     """Force one back end for every op (``None`` or ``"auto"``: choose by device)."""
     global _forced
@@ -136,6 +157,17 @@ def triton_available(device: torch.device) -> str | None:
     return f"triton needs a CUDA device or TRITON_INTERPRET=1 (got a {device.type} tensor)"
 
 
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise :class:`KernelBuildError` if ``backend`` cannot serve every op on ``device``, building (and loading)
+    its native library if it has one: what a run that forces ``backend`` would meet at its first kernel call.
+    The error raised is the library's own when the build failed (it names the op whose source failed)."""
+    for op in _OPS.values():
+        try:
+            op._ready(backend, device)
+        except KernelBuildError as e:
+            raise e.__cause__ if isinstance(e.__cause__, KernelBuildError) else e from None
+
+
 @dataclass
 class KernelOp:
     """One public op and its implementations, by back end."""
@@ -144,7 +176,6 @@ class KernelOp:
     impls: dict[str, Callable] = field(default_factory=dict)
     libraries: dict[str, NativeLibrary] = field(default_factory=dict)
     _chosen: dict[tuple[str, str | None], str] = field(default_factory=dict)
-    _warned: set = field(default_factory=set)
 
     def __post_init__(self):
         _OPS[self.name] = self
@@ -200,9 +231,12 @@ class KernelOp:
                 except BackendUnavailable:
                     continue
                 except KernelBuildError as e:
-                    if (backend, device.type) not in self._warned:
-                        self._warned.add((backend, device.type))
-                        warnings.warn(f"{e}; falling back", RuntimeWarning, stacklevel=3)
+                    # The library's own error (shared by every op it serves) is the cause; ``e`` names this op.
+                    cause = e.__cause__ if isinstance(e.__cause__, KernelBuildError) else e
+                    if isinstance(cause, KernelCacheError):
+                        warn_fallback(f"{cause.reason}; the native kernels fall back to torch", cause.reason, stacklevel=3)
+                    else:
+                        warn_fallback(f"{e}; falling back", f"{backend}/{device.type}: {cause.reason}", stacklevel=3)
             assert chosen is not None, "the torch reference is always available"
         self._chosen[key] = chosen
         return chosen

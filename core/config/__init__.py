@@ -19,7 +19,9 @@ Field constraints: annotate with a type (``int``, ``float``, ``str``, ``bool``, 
 across fields.
 
 The modules: :mod:`.schema` (the tree and the default run), :mod:`.validation` (plain data -> typed tree),
-:mod:`.loading` (files and overrides), :mod:`.building` (a node -> its component), :mod:`.errors`.
+:mod:`.loading` (files and overrides), :mod:`.building` (a node -> its component), :mod:`.errors`, and
+:mod:`.preflight` (what this machine must provide for a valid config: device, back end, folders, memory;
+imported by the commands that train, since it needs torch).
 """
 
 from .building import build_component

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -89,7 +90,9 @@ assert set(SPEC_TYPES) == set(KINDS), "every component kind needs a spec type"
 @dataclass
 class RunConfig:
     name: str = "arithmetic"
-    seed: int = option(0, ge=0)
+    # 0 .. 2**63-1, a signed 64-bit integer: inside what torch.manual_seed accepts (it fails past 2**64-1) and
+    # as wide as the seeds the run derives from it (derive_seed draws 63 bits).
+    seed: int = option(0, ge=0, le=2**63 - 1)
     output_dir: str = "runs"  # checkpoints and logs go to <output_dir>/<name>
 
 
@@ -121,6 +124,11 @@ class KernelsConfig:
     backend: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"  # auto: chosen per device
 
 
+# train.device: what torch.device accepts and the trainer places a run on (``cuda:01`` is not a torch device).
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:(0|[1-9][0-9]*))?")
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:<n> (a GPU index such as cuda:0) or mps"
+
+
 @dataclass
 class TrainConfig:
     """The training loop's knobs. ``batch_size`` tasks per step, each answered ``group_size`` times."""
@@ -139,7 +147,7 @@ class TrainConfig:
     temperature: float = option(1.0, ge=0)
     top_p: float = option(1.0, gt=0, le=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"  # auto: cuda if available, else cpu
+    device: str = "auto"  # auto: cuda if available, else cpu; cuda, cuda:<n>, mps (whether they exist: preflight)
     log_every: int = option(1, ge=1)
     eval_every: int = option(0, ge=0)  # held-out evaluation every N steps (0: only before and after training)
     eval_size: int = option(64, ge=1)  # held-out tasks per evaluation (greedy decoding, every reward layer counted)
@@ -161,6 +169,9 @@ class TrainConfig:
     max_bad_steps: int = option(3, ge=1)  # non-finite loss or reward: skip the step; this many in a row abort
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.device, str) and DEVICE_PATTERN.fullmatch(self.device)):
+            hint = "; did you mean 'cuda'?" if str(self.device).lower() in ("gpu", "cuda:", "nvidia") else ""
+            raise OptionError("device", f"expected {DEVICE_CHOICES}, got {self.device!r}{hint}")
         rows = self.batch_size * self.group_size
         if rows % self.grad_accum:
             raise OptionError(
