@@ -1,4 +1,5 @@
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -17,3 +18,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# A kernel test that builds or runs the C++/CUDA code, named so by its test id (cpp, cuda, native, sm90): marked
+# `native`, so `pytest -m "not native"` runs where no compiler is at hand. The two all-native modules mark themselves.
+_NATIVE = re.compile(r"cpp|cuda|native|sm90")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.as_posix()
+        if ("/tests/kernels/" in path or "/bench/" in path) and _NATIVE.search(item.name):
+            item.add_marker(pytest.mark.native)

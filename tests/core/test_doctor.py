@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import plugin_installs
+import pytest
 
 SMALL = ["train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"]
 
@@ -26,6 +27,7 @@ def by_name(report: dict, section: str) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"] if c["section"] == section}
 
 
+@pytest.mark.slow
 def test_doctor_reports_toolchain_kernels_data_and_gradient_flow(tmp_path: Path) -> None:
     code, report = doctor(SMALL, tmp_path)
     assert code == 0 and report["status"] == "ok", report["failed"]
@@ -65,6 +67,7 @@ def test_doctor_reports_toolchain_kernels_data_and_gradient_flow(tmp_path: Path)
     assert sum(c["data"]["params"] for c in groups.values()) == 132_800
 
 
+@pytest.mark.slow
 def test_doctor_flags_zero_gradients_from_a_constant_reward(tmp_path: Path) -> None:
     """A reward no completion can earn: every advantage is 0, and without an entropy bonus no gradient flows."""
     config = tmp_path / "never.yaml"

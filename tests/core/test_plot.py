@@ -140,6 +140,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_plot_dashboard_writes_a_png_grid_into_the_run_dir(tmp_path: Path) -> None:
     run = write_run(tmp_path / "my-run", training_records())
     out = plot_dashboard(run)

@@ -244,6 +244,7 @@ def test_cli_plugins_all_json_lists_builtins_and_the_example(in_process, sites, 
 
 
 @pip_install
+@pytest.mark.slow
 def test_cli_plugins_with_broken_plugins_still_works_and_warns_once_each(sites, tmp_path) -> None:
     result = plugin_installs.run_palestra(
         ["plugins", "--json"], [sites["example"], sites["broken"], sites["raising"]], tmp_path
@@ -262,6 +263,7 @@ def test_cli_plugins_with_broken_plugins_still_works_and_warns_once_each(sites, 
 
 
 @pip_install
+@pytest.mark.slow
 def test_cli_plugins_with_a_misspelt_hook_exits_2_with_one_line(sites, tmp_path) -> None:
     result = plugin_installs.run_palestra(["plugins"], [sites["example"], sites["misspelt"]], tmp_path)
     assert result.returncode == 2

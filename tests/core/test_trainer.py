@@ -418,6 +418,7 @@ def test_evaluate_reports_the_default_layered_rewards_maximum_and_every_componen
 
 # ---- a third-party reward drives a run ------------------------------------------------------------------
 @pytest.mark.pip_install
+@pytest.mark.slow
 def test_a_reward_from_the_example_plugin_drives_a_training_run(sites, tmp_path: Path) -> None:
     args = [
         "train",

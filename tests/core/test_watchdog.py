@@ -29,6 +29,7 @@ def run_script(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[s
     return result, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_hung_phase_exits_70_with_the_phase_and_every_stack(tmp_path: Path) -> None:
     result, seconds = run_script(
         """
@@ -75,6 +76,7 @@ class RecordingWatchdog(StepWatchdog):
         self._stop.set()
 
 
+@pytest.mark.slow
 def test_phases_shorter_than_the_timeout_never_fire() -> None:
     with RecordingWatchdog(0.5) as watchdog:
         for step in range(2):  # a step longer than the timeout, made of short phases and beats
@@ -183,6 +185,7 @@ def slow_train(tmp_path: Path, environment: str, reward: str, *overrides: str) -
     return result, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_palestra_train_with_a_hung_reward_exits_70_naming_the_reward_phase(tmp_path: Path) -> None:
     result, seconds = slow_train(tmp_path, "arithmetic", "slow_reward", "train.step_timeout_s=2")
     assert result.returncode == 70, result.stderr[-2000:]
@@ -193,6 +196,7 @@ def test_palestra_train_with_a_hung_reward_exits_70_naming_the_reward_phase(tmp_
     assert "in wait_for_the_reward_server" in result.stderr and "in train_step" in result.stderr  # the stuck stack
 
 
+@pytest.mark.slow
 def test_palestra_train_with_a_hung_environment_fails_on_the_data_timeout(tmp_path: Path) -> None:
     result, seconds = slow_train(tmp_path, "slow_arithmetic", "format", "train.data_timeout_s=1")
     assert result.returncode == 2, result.stderr[-2000:]

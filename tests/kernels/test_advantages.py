@@ -238,6 +238,7 @@ def test_gae_empty(backend):
         assert K.discounted_returns(r, r > 0, 0.9).shape == (B, T)
 
 
+@pytest.mark.slow
 def test_gae_exact_at_long_T(backend):
     """gamma * lam close to 1 at T = 4096: a float32 carry of a rounded gamma * lam drifts by ~1e-4 here."""
     T = 4096
@@ -592,6 +593,7 @@ def _build_host_emulation(out: Path) -> ctypes.CDLL:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+@pytest.mark.slow
 def test_cuda_kernels_under_host_emulation(tmp_path):
     lib = _build_host_emulation(tmp_path)
 
@@ -657,6 +659,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_sm90(tmp_path):
     triton = pytest.importorskip("triton")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

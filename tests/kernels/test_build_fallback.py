@@ -7,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.native]
+
 
 def test_broken_cpp_source_falls_back_with_one_warning_and_forced_backend_raises(tmp_path):
     script = textwrap.dedent(

@@ -12,6 +12,8 @@ import pytest
 
 from palestra.kernels.build import csrc_dir
 
+pytestmark = [pytest.mark.slow, pytest.mark.native]
+
 NVCC = shutil.which("nvcc")
 CU_FILES = sorted((csrc_dir() / "cuda").glob("*.cu"))
 

@@ -270,6 +270,7 @@ def test_opcheck_triton():
                           (logits.requires_grad_(True), tokens, 0.7, IGNORE))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_cpp():
     torch._dynamo.reset()
     K.set_backend("cpp")
@@ -501,6 +502,7 @@ def _build_cuda_on_host(out: Path) -> ctypes.CDLL:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+@pytest.mark.slow
 def test_cuda_kernels_under_host_emulation(tmp_path):
     lib = _build_cuda_on_host(tmp_path)
     # V = 9001 fp32 / 17001 bf16 runs 512 threads through the unrolled main loop and the remainder loop;

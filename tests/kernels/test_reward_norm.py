@@ -777,6 +777,7 @@ def run_emulated(lib, rewards, seg, state: K.RunningMoments, clip=5.0, eps=1e-8,
      (600, 130, torch.float32), (10, 7, torch.float64)],
     ids=str,
 )
+@pytest.mark.slow
 def test_cuda_kernels_emulated_match_reference(emulated_cuda, n, S, dtype):
     rng = np.random.default_rng(zlib.crc32(f"cuda{n}{S}{dtype}".encode()))
     state, ref = K.RunningMoments(S), Reference(S)
