@@ -1,31 +1,38 @@
 """Train a policy: resolve the config, load the plugins, build and check the components, run the trainer, report.
 
-``--resume RUN_DIR`` continues a run from its newest checkpoint with the config saved in it; only the keys in
-:data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts) may be overridden,
-since anything else would make the continuation a different run. Under torchrun every rank runs this command;
-rank 0 prints and plots.
+``--resume RUN_DIR`` continues a run from its newest intact checkpoint with the config saved in it; only the keys
+in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts) may be overridden,
+since anything else would make the continuation a different run. A new run refuses a directory that holds a run
+unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM save a checkpoint at the next step boundary and exit
+130/143 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
 from palestra.config import ComponentSpec, Config, ConfigError, load_config, parse_override, to_plain, validate_config
+from palestra.engine.watchdog import Interrupted
 
 if TYPE_CHECKING:
+    from palestra.engine.checkpoint import ResumePoint
+    from palestra.engine.trainer import EvalResult, Trainer
     from palestra.scale.distributed import DistributedContext
-    from palestra.engine.trainer import EvalResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start again in a run directory that holds a run, deleting that run's files first")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides such as train.lr=3e-4")
 
 
@@ -37,15 +44,17 @@ RESUMABLE_KEYS = (
 )
 
 
-def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, str]:
-    """The config saved in ``run_dir``'s newest checkpoint with the allowed overrides applied, and that checkpoint."""
-    import torch
-
-    from palestra.engine.checkpoint import find_resume_checkpoint
+def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, ResumePoint]:
+    """The config saved in ``run_dir``'s newest intact checkpoint with the allowed overrides applied, and that
+    checkpoint (loaded with ``weights_only=True`` and verified, so nothing in it runs)."""
     from palestra.config import _set_path
+    from palestra.engine.checkpoint import CheckpointError, resume_point
 
-    path = find_resume_checkpoint(run_dir)
-    raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["config"]
+    point = resume_point(run_dir)
+    raw = point.state.get("config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"checkpoint {point.path} holds no config (a dict); it was not written by palestra train")
+    raw = copy.deepcopy(raw)
     for item in overrides:
         keys, value = parse_override(item)
         dotted = ".".join(str(k) for k in keys)
@@ -53,7 +62,11 @@ def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, str]:
             raise ConfigError(f"{dotted}: cannot be changed with --resume (the run continues with its saved config); "
                               f"allowed: {', '.join(RESUMABLE_KEYS)}")
         _set_path(raw, keys, value)
-    return validate_config(raw), str(path)
+    config = validate_config(raw)
+    if config.train.steps < point.step:
+        raise ConfigError(f"train.steps: {config.train.steps} is below step {point.step} of {point.path}; a resumed run "
+                          f"cannot be shortened (pass train.steps={point.step} or more)")
+    return config, point
 
 
 def summary(config: Config) -> list[str]:
@@ -78,50 +91,66 @@ def _describe(spec: ComponentSpec) -> str:
 
 
 def format_before_after(before: EvalResult, after: EvalResult) -> list[str]:
-    """The table `palestra train` ends with: held-out reward (and each component) before and after training."""
-    rows = [("reward (total)", before.reward, after.reward)]
-    rows += [(k, before.components.get(k, math.nan), v) for k, v in after.components.items() if "/" not in k]
+    """The table `palestra train` ends with: held-out reward (and each component) before and after training.
+
+    A component the reward did not report before training shows ``-``; a value that is not finite is never shown
+    as a bare ``nan``: a note under the table says what it means.
+    """
+    rows: list[tuple[str, float | None, float]] = [("reward (total)", before.reward, after.reward)]
+    rows += [(k, before.components.get(k), v) for k, v in after.components.items() if "/" not in k]
     width = max(len(r[0]) for r in rows)
     best = f" (max {after.max_score:g})" if after.max_score is not None else ""
     lines = [f"held-out reward on {after.tasks} tasks, greedy{best}:", f"  {'':<{width}}  {'before':>8}  {'after':>8}"]
-    lines += [f"  {name:<{width}}  {b:>8.3f}  {a:>8.3f}" for name, b, a in rows]
+    lines += [f"  {name:<{width}}  {_cell(b)}  {_cell(a)}" for name, b, a in rows]
+    if any(v is not None and not math.isfinite(v) for _, b, a in rows for v in (b, a)):
+        lines.append("  (a value above is not finite: the reward's held-out scores could not be averaged)")
     return lines
 
+
+def _cell(value: float | None) -> str:
+    return f"{'-':>8}" if value is None else f"{value:>8.3f}"
 
 
 def run(args: argparse.Namespace) -> int:
     for item in args.overrides:
         if "=" not in item and item.endswith((".yaml", ".yml", ".toml")):
             raise ConfigError(f"{item!r} looks like a config file; pass it as --config {item}")
-    resume = getattr(args, "resume", None)
+    resume, overwrite = getattr(args, "resume", None), getattr(args, "overwrite", False)
     if resume is not None and args.config is not None:
         raise ConfigError("--resume: the run continues with the config saved in its checkpoint; drop --config")
-    checkpoint = None
-    if resume is not None:
-        config, checkpoint = resume_config(resume, args.overrides)
-    else:
-        config = load_config(args.config, args.overrides)
-    from palestra.engine.trainer import Trainer  # torch is only imported once the config is valid
-
-    # builds and checks every component: a bad one stops here, with one line
-    trainer = Trainer(config, run_dir=resume) if resume is not None else Trainer(config)
+    if resume is not None and overwrite:
+        raise ConfigError("--overwrite starts a run again from scratch; it cannot be combined with --resume")
+    try:
+        trainer, point = _start(args, resume, overwrite)
+    except KeyboardInterrupt:
+        print("palestra train: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    config = trainer.config
     try:
         main = trainer.dist.is_main
-        if checkpoint is not None:
-            trainer.load(checkpoint)
-            if main:
-                print(f"resuming {resume} from {checkpoint} at step {trainer.step} of {config.train.steps}")
         if main:
+            if point is not None:
+                print(f"resuming {resume} from {point.path} at step {trainer.step} of {config.train.steps}")
             for line in summary(config):
                 print(line)
             if trainer.dist.enabled:
                 print(f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
                       f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank")
-        result = trainer.train()
+        point = None  # the loaded state is in the trainer now: let it go
+        try:
+            result, code = trainer.train(), 0
+        except Interrupted as e:  # SIGINT/SIGTERM: a checkpoint was saved at a step boundary (or a second signal)
+            if main:
+                print(f"palestra train: {e.line()}", file=sys.stderr)
+            if not e.at_once:
+                # No rank leaves before rank 0 has written the checkpoint and said so: torchrun answers the first
+                # rank to exit by sending SIGTERM to the others.
+                trainer.dist.barrier()
+            result, code = None, e.exit_code
     finally:
         trainer.dist.close()
-    if not main:
-        return end_rank(trainer.dist, 0)
+    if result is None or not main:
+        return end_rank(trainer.dist, code)
     print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
     for line in format_before_after(result.before, result.after):
         print(line)
@@ -130,6 +159,43 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"plot: {plot_dashboard(result.run_dir)}")
     return end_rank(trainer.dist, 0)
+
+
+def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tuple[Trainer, ResumePoint | None]:
+    """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
+    directory claimed: a new run refuses one that holds a run unless ``--overwrite``, which deletes it first."""
+    from palestra.engine import checkpoint as ckpt
+
+    point = None
+    if resume is not None:
+        config, point = resume_config(resume, args.overrides)
+        run_dir = Path(resume)
+    else:
+        config = load_config(args.config, args.overrides)
+        run_dir = Path(config.run.output_dir) / config.run.name
+        ckpt.check_new_run_dir(run_dir, overwrite=overwrite)  # before a model is built: a quick answer
+    from palestra.config.preflight import preflight  # torch is only imported once the config is valid
+    from palestra.engine.trainer import Trainer
+
+    # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
+    preflight(config, run_dir=run_dir if resume is not None else None)
+
+    # builds and checks every component: a bad one stops here, with one line
+    trainer = Trainer(config, run_dir=run_dir)
+    try:
+        if point is not None:
+            trainer.load_state(point.state, source=point.path)
+        # Rank 0 alone touches the directory, and only now: under torchrun the other ranks have checked it (above)
+        # before the process group formed, so none of them sees this run's own files as another run's.
+        if trainer.dist.is_main:
+            if overwrite:
+                ckpt.clear_run_dir(run_dir, keep=Path(args.config) if args.config else None)
+            if point is None or ckpt.read_run_id(run_dir) is None:
+                ckpt.write_run_file(run_dir, trainer.run_id, config.run.name)
+    except BaseException:
+        trainer.dist.close()
+        raise
+    return trainer, point
 
 
 def end_rank(dist: DistributedContext, code: int) -> int:

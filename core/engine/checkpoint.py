@@ -1,28 +1,52 @@
-"""Checkpoint files: atomic writes, ``step-NNNNNN.pt`` retention with a ``latest`` pointer, RNG capture, resume lookup.
+"""Checkpoint files: atomic writes, a checksum, ``step-NNNNNN.pt`` retention, RNG capture, and which file to resume.
 
 Layout of a run directory::
 
+    RUN_DIR/run.json                      which run owns the directory (its id; written by ``palestra train``)
     RUN_DIR/checkpoint.pt                 the final state (written when training ends)
     RUN_DIR/checkpoints/step-000040.pt    every train.save_every steps; the newest train.keep_checkpoints stay
-    RUN_DIR/checkpoints/latest            the name of the newest step file (one line)
+    RUN_DIR/checkpoints/latest            the name of the newest step file (one line; for people and tools)
 
-Every file is written to a temporary name in the same folder, flushed and fsynced, renamed over the target with
-``os.replace`` (atomic on POSIX), and the folder is fsynced so that the rename itself survives a power cut. A
-process killed mid-write leaves at worst a ``.*.tmp`` file, which is never read and is removed by the next save:
-a good checkpoint is never replaced by a partial one. The ``latest`` pointer is written the same way, after the
-file it names, so it never points at a file that is not complete.
+**Writing.** Every file is written to a temporary name in the same folder, flushed and fsynced, renamed over the
+target with ``os.replace`` (atomic on POSIX), and the folder is fsynced so that the rename itself survives a power
+cut. A process killed mid-write leaves at worst a ``.*.tmp`` file, which is never read and is removed by the next
+save: a good checkpoint is never replaced by a partial one. A full disk (ENOSPC) is reported as :class:`DiskFull`,
+one line saying how much was needed, and the previous file is untouched.
 
-What a checkpoint holds is assembled by :meth:`palestra.engine.trainer.Trainer.state_dict`; this module only moves
-bytes and RNG states.
+**Format 3.** A checkpoint is a ``torch.save`` archive of one dict holding only tensors and plain data (dicts,
+lists, tuples, strings, numbers, None), so it loads with ``torch.load(weights_only=True)``: loading one never runs
+code, and a file that holds anything else (a pickled call such as ``os.system``) is refused by name. Besides the
+trainer's state (:meth:`palestra.engine.trainer.Trainer.state_dict`: ``step``, ``policy``, ``optimizer``, ``config``
+as plain data, ...) every checkpoint carries
+
+* ``format``: 3;
+* ``run_id``: the id of the run that wrote it (resume only continues that run's checkpoints);
+* ``saved_at``: unix time of the write;
+* ``integrity``: ``{"sha256": ...}`` over everything else: every tensor's dtype, shape and bytes, every plain value
+  (:func:`content_digest`). A truncated, empty or random file fails to open; a damaged one fails the digest.
+
+**Resuming** (:func:`resume_point`) takes the owning run's checkpoints (the id in ``run.json``; without one, the run
+that saved last), newest step first, and falls back past a corrupt one with a warning. It never follows a link or
+pointer out of the run directory and never takes another run's checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import importlib
+import json
 import os
+import pickle
 import random
 import re
+import shutil
 import sys
-from collections.abc import Callable
+import time
+import warnings
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +57,60 @@ from palestra.types import FileLogger
 __all__ = [
     "CHECKPOINT_DIR",
     "FINAL_NAME",
+    "FORMAT",
+    "RUN_FILE",
+    "CheckpointError",
+    "CheckpointWarning",
+    "DiskFull",
+    "ResumePoint",
+    "RunDirError",
     "capture_rng",
+    "check_new_run_dir",
+    "clear_run_dir",
+    "content_digest",
     "find_resume_checkpoint",
     "list_step_checkpoints",
+    "load_checkpoint",
+    "restore_logs",
     "restore_rng",
+    "resume_point",
+    "save_checkpoint",
     "save_step_checkpoint",
     "write_atomic",
+    "write_run_file",
 ]
 
+FORMAT = 3
 FINAL_NAME = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+RUN_FILE = "run.json"
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (corrupt, unsafe, another format, not matching its run). One line, naming the file."""
+
+    palestra_user_error = True
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked (it holds another run, or it is not a run directory). One line."""
+
+    palestra_user_error = True
+
+
+class DiskFull(OSError):
+    """The disk filled up while a checkpoint was written; the previous file is untouched. One line."""
+
+    palestra_user_error = True
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt, another run's) or a run's log had to be repaired on resume."""
+
+
+# ---- writing -------------------------------------------------------------------------------------------
 def _fsync_dir(folder: Path) -> None:
     """Persist a rename: fsync the folder that holds the entry (a no-op where folders cannot be opened)."""
     try:
@@ -61,11 +125,12 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(target: str | Path, write: Callable[[Path], None]) -> Path:
+def write_atomic(target: str | Path, write: Callable[[Path], None], *, needs: int | None = None) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``target``, then fsync and rename it over ``target``.
 
     If ``write`` raises (or the process dies) ``target`` keeps its previous content; the temporary file is removed
-    on an exception and ignored by readers otherwise.
+    on an exception and ignored by readers otherwise. A full disk raises :class:`DiskFull`, which says how much the
+    file needed (``needs``, bytes, when the caller knows) and how much was free.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -76,14 +141,78 @@ def write_atomic(target: str | Path, write: Callable[[Path], None]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        full = DiskFull(_disk_full_message(target, needs))
+        full.errno = e.errno
+        raise full from e
     finally:
         tmp.unlink(missing_ok=True)
     return target
 
 
-def save_torch(state: Any, target: str | Path) -> Path:
-    """``torch.save(state)`` to ``target`` atomically."""
-    return write_atomic(target, lambda tmp: torch.save(state, tmp))
+def _disk_full_message(target: Path, needs: int | None) -> str:
+    try:
+        free = f"{_human(shutil.disk_usage(target.parent).free)} free"
+    except OSError:
+        free = "free space unknown"
+    need = f"needs at least {_human(needs)}" if needs is not None else "could not be written"
+    kept = f"{target.name} keeps its previous content" if target.exists() else f"no {target.name} was written"
+    return f"disk full: {target} {need} ({free} on {target.parent}); {kept}; free some space and resume"
+
+
+def _human(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB, GiB or TiB."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def _write_state(state: Mapping[str, Any], tmp: Path) -> None:
+    """Serialise ``state`` into ``tmp``: the one place a checkpoint's bytes reach the disk."""
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+
+
+def save_checkpoint(state: Mapping[str, Any], target: str | Path) -> Path:
+    """Seal ``state`` (format, time, checksum) and write it to ``target`` atomically.
+
+    ``state`` must be tensors and plain data (see the module docstring); anything else is refused here, before a
+    byte is written, rather than at resume.
+    """
+    sealed = seal(state)
+    return write_atomic(target, lambda tmp: _write_state(sealed, tmp), needs=payload_bytes(sealed))
+
+
+def seal(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with ``format``, ``saved_at`` and the ``integrity`` digest of everything else."""
+    body = {k: v for k, v in state.items() if k != "integrity"}
+    body.update(format=FORMAT, saved_at=time.time())
+    return {**body, "integrity": {"sha256": content_digest(body)}}
+
+
+def payload_bytes(state: Any) -> int:
+    """The bytes of every distinct tensor storage in ``state``: a lower bound on the file's size."""
+    sizes: dict[tuple[str, int], int] = {}
+    for t in map(_local, _tensors(state)):
+        storage = t.untyped_storage()
+        sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def step_name(step: int) -> str:
@@ -91,7 +220,7 @@ def step_name(step: int) -> str:
 
 
 def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete step checkpoint in ``RUN_DIR/checkpoints``, oldest first."""
+    """``(step, path)`` of every step checkpoint file in ``RUN_DIR/checkpoints``, oldest first."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
         return []
@@ -103,10 +232,10 @@ def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def save_step_checkpoint(run_dir: str | Path, state: Any, step: int, keep: int) -> Path:
+def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: int, keep: int) -> Path:
     """Write ``checkpoints/step-NNNNNN.pt``, point ``latest`` at it, keep the newest ``keep`` and clear stale temporaries."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    path = save_torch(state, folder / step_name(step))
+    path = save_checkpoint(state, folder / step_name(step))
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
     for _, old in list_step_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
@@ -115,47 +244,334 @@ def save_step_checkpoint(run_dir: str | Path, state: Any, step: int, keep: int) 
     return path
 
 
-def _peek_step(path: Path) -> int:
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return int(state["step"])
+# ---- the checksum --------------------------------------------------------------------------------------
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def content_digest(state: Mapping[str, Any]) -> str:
+    """sha256 of ``state``'s content: each tensor's dtype, shape and bytes, each plain value, in order.
+
+    Computed over the objects rather than the file, so that it can live inside the file it checks; a value that
+    is not plain data raises :class:`CheckpointError` naming where it is (``weights_only`` could not load it).
+    """
+    h = hashlib.sha256()
+    _feed(h, state, "state")
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any, where: str) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"T{type(value).__name__}{value.dtype}{tuple(value.shape)}".encode())
+        h.update(_local_bytes(value))
+    elif isinstance(value, Mapping):
+        h.update(b"{%d" % len(value))
+        for k, v in value.items():
+            _feed(h, k, where)
+            _feed(h, v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[%d" % len(value))
+        for i, v in enumerate(value):
+            _feed(h, v, f"{where}[{i}]")
+    elif type(value) in _PLAIN:  # exact types: a numpy float64 is a float but would not load with weights_only
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (torch.dtype, torch.device)):
+        h.update(f"{type(value).__name__}:{value};".encode())
+    else:
+        text = repr(value)
+        raise CheckpointError(
+            f"checkpoint {where} is {type(value).__module__}.{type(value).__qualname__} "
+            f"{text if len(text) <= 60 else text[:57] + '...'}, which cannot be saved: a checkpoint holds only "
+            "tensors and plain data (dicts, lists, strings, numbers), so that loading it never runs code "
+            "(a plugin's state_dict or on_checkpoint_save hook must store plain data)"
+        )
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This process's plain copy of ``value``: a DTensor's local shard (an optimiser's sharded state under FSDP;
+    gathering it would take every rank)."""
+    t = value.detach()
+    return t.to_local() if type(t) is not torch.Tensor and hasattr(t, "to_local") else t
+
+
+def _local_bytes(value: torch.Tensor) -> Any:
+    t = _local(value)
+    t = t.to_dense() if t.layout != torch.strided else t
+    return t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+# ---- reading -------------------------------------------------------------------------------------------
+def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = False) -> dict[str, Any]:
+    """The state in checkpoint ``path``, loaded with ``torch.load(weights_only=True)`` on the CPU.
+
+    Raises one-line :class:`CheckpointError` for a file that is empty, truncated or not a torch archive, that holds
+    something other than tensors and plain data (nothing in it is run), that has another format, or (``verify``)
+    whose content does not match its recorded sha256.
+    """
+    path = Path(path)
+    _check_archive(path)
+    if torch.distributed.is_available():  # registers DTensor (an FSDP optimiser's state), which weights_only loads as data
+        importlib.import_module("torch.distributed.tensor")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path} is refused: {_unpickling_reason(e)}") from None
+    except Exception as e:  # noqa: BLE001 - torch reports a damaged archive with RuntimeError, EOFError, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"checkpoint {path} is corrupt ({type(e).__name__}: {first})") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a palestra checkpoint (it holds {type(state).__name__}, not a state with a step)")
+    if state.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {state.get('format')!r}; this palestra reads format {FORMAT} "
+            "(older checkpoints were pickled objects that cannot be loaded safely)"
+        )
+    if verify:
+        _verify(path, state)
+    return state
+
+
+def _check_archive(path: Path) -> None:
+    """Reject what cannot be a torch archive before torch sees it: missing, empty, truncated, random bytes."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path} is corrupt: it is empty (0 bytes)")
+    if not zipfile.is_zipfile(path):  # a torch archive is a zip whose directory is at its end
+        raise CheckpointError(f"checkpoint {path} is corrupt: truncated or not a torch.save archive ({size} bytes, no zip directory at its end)")
+
+
+def _unpickling_reason(e: pickle.UnpicklingError) -> str:
+    """What ``weights_only`` refused, in a few words (torch's message is a page long)."""
+    text = str(e)
+    culprit = re.search(r"GLOBAL ([\w.]+)", text)
+    if culprit:
+        return (f"it holds a pickled reference to {culprit.group(1)}, which is code, not data; "
+                "palestra loads checkpoints with torch.load(weights_only=True) and ran nothing")
+    detail = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), type(e).__name__)
+    return f"it does not unpickle as tensors and plain data ({detail[:200]}); nothing in it was run"
+
+
+def _verify(path: Path, state: dict[str, Any]) -> None:
+    recorded = state.get("integrity")
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("sha256"), str)):
+        raise CheckpointError(f"checkpoint {path} is corrupt: it has no integrity checksum")
+    body = {k: v for k, v in state.items() if k != "integrity"}
+    try:
+        actual = content_digest(body)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from None
+    if actual != recorded["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match the sha256 recorded when it was written")
+
+
+# ---- which checkpoint --resume continues -------------------------------------------------------------
+@dataclass(frozen=True)
+class _Header:
+    path: Path
+    run_id: str | None
+    step: int
+    saved_at: float
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a resumed run continues from, already loaded and verified."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
 
 
 def find_resume_checkpoint(run_dir: str | Path) -> Path:
-    """The checkpoint ``--resume RUN_DIR`` continues from: the newest of ``checkpoints/latest`` (or the newest step
-    file) and ``checkpoint.pt``, by step. Raises a one-line FileNotFoundError when the run has none."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"--resume: run directory {str(run_dir)!r} does not exist")
-    candidates: list[Path] = []
-    latest = run_dir / CHECKPOINT_DIR / LATEST
-    named = run_dir / CHECKPOINT_DIR / latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
-    if named is not None and named.is_file():
-        candidates.append(named)
-    elif steps := list_step_checkpoints(run_dir):
-        candidates.append(steps[-1][1])
-    if (run_dir / FINAL_NAME).is_file():
-        candidates.append(run_dir / FINAL_NAME)
-    if not candidates:
+    """The path :func:`resume_point` would continue from."""
+    return resume_point(run_dir).path
+
+
+def resume_point(run_dir: str | Path) -> ResumePoint:
+    """The newest intact checkpoint of the run that owns ``run_dir``, loaded and verified.
+
+    The owner is the run named in ``RUN_DIR/run.json`` (else the run whose checkpoint was saved last); its
+    checkpoints are tried by step, newest first. A corrupt or unsafe one is skipped with a :class:`CheckpointWarning`
+    naming it; another run's checkpoints are never taken. One-line errors when there is nothing to resume.
+    """
+    run_dir = _resume_dir(run_dir)
+    paths = _candidate_paths(run_dir)
+    if not paths:
         raise FileNotFoundError(
             f"--resume: {str(run_dir)!r} holds no checkpoint ({FINAL_NAME} or {CHECKPOINT_DIR}/step-*.pt); "
             "set train.save_every to write them during training"
         )
-    return max(candidates, key=_peek_step) if len(candidates) > 1 else candidates[0]
+    headers: list[_Header] = []
+    broken: dict[Path, str] = {}
+    for path in paths:
+        try:
+            headers.append(_peek(path))
+        except CheckpointError as e:
+            broken[path] = str(e)
+    owner = read_run_id(run_dir)
+    if owner is None and headers:
+        owner = max(headers, key=lambda h: h.saved_at).run_id
+    ours = sorted((h for h in headers if h.run_id == owner), key=lambda h: (h.step, h.saved_at), reverse=True)
+    others = [h for h in headers if h.run_id != owner]
+    if others:
+        names = ", ".join(str(h.path.relative_to(run_dir)) for h in others)
+        warnings.warn(f"{run_dir}: ignoring {len(others)} checkpoint(s) of another run ({names}); "
+                      f"resume continues only run {owner}", CheckpointWarning, stacklevel=2)
+    for header in ours:
+        try:
+            state = load_checkpoint(header.path)
+        except CheckpointError as e:
+            broken[header.path] = str(e)
+            continue
+        for why in broken.values():
+            warnings.warn(f"{why}; resuming from {header.path} (step {header.step})", CheckpointWarning, stacklevel=2)
+        return ResumePoint(header.path, state)
+    whose = f" of run {owner}" if owner is not None and others else ""
+    reasons = "; ".join(broken.values()) or "every checkpoint there belongs to another run"
+    raise CheckpointError(f"--resume: {run_dir} holds no intact checkpoint{whose}: {reasons}")
+
+
+def _resume_dir(run_dir: str | Path) -> Path:
+    """``run_dir`` if it is a directory; one line otherwise (a checkpoint file is answered with its run directory)."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        owner = run_dir.parent.parent if run_dir.parent.name == CHECKPOINT_DIR else run_dir.parent
+        raise RunDirError(f"--resume takes the run directory, not a file: {str(run_dir)!r} is a file; "
+                          f"use --resume {owner} (it picks the newest intact checkpoint)")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"--resume: run directory {str(run_dir)!r} does not exist")
+    return run_dir
+
+
+def _candidate_paths(run_dir: Path) -> list[Path]:
+    """``checkpoint.pt`` and every step file, inside ``run_dir`` (a link out of it is skipped with a warning)."""
+    _check_latest(run_dir)
+    paths = [p for _, p in list_step_checkpoints(run_dir)]
+    if (run_dir / FINAL_NAME).is_file():
+        paths.append(run_dir / FINAL_NAME)
+    inside = []
+    root = run_dir.resolve()
+    for p in paths:
+        if root in p.resolve().parents:
+            inside.append(p)
+        else:
+            warnings.warn(f"{p} links to {p.resolve()}, outside the run directory; ignored", CheckpointWarning, stacklevel=3)
+    return inside
+
+
+def _check_latest(run_dir: Path) -> None:
+    """Warn about a ``checkpoints/latest`` that names anything but a step file beside it (it is never followed:
+    resume orders the run's own files by step)."""
+    latest = run_dir / CHECKPOINT_DIR / LATEST
+    if not latest.is_file() and not latest.is_symlink():
+        return
+    try:
+        name = latest.read_text(encoding="utf-8").strip() if not latest.is_symlink() else str(os.readlink(latest))
+    except (OSError, UnicodeDecodeError):
+        name = "(unreadable)"
+    if not _STEP_FILE.match(name):
+        warnings.warn(f"{latest} names {name[:80]!r}, not a step file in {latest.parent}; ignored",
+                      CheckpointWarning, stacklevel=4)
+
+
+def _peek(path: Path) -> _Header:
+    """Run id, step and save time of ``path`` (memory-mapped, not verified: cheap enough to read every candidate)."""
+    state = load_checkpoint(path, verify=False, mmap=True)
+    run_id = state.get("run_id")
+    saved_at = state.get("saved_at")
+    return _Header(path, run_id if isinstance(run_id, str) else None, int(state["step"]),
+                   float(saved_at) if isinstance(saved_at, (int, float)) else 0.0)
+
+
+# ---- the run directory ---------------------------------------------------------------------------------
+# What makes a directory hold a run: palestra train refuses to start a new one over these without --overwrite.
+RUN_MARKERS = (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR, "metrics.jsonl")
+
+
+def write_run_file(run_dir: str | Path, run_id: str, name: str) -> Path:
+    """``RUN_DIR/run.json``: the id of the run that owns the directory (resume continues only its checkpoints)."""
+    record = {"run_id": run_id, "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return write_atomic(Path(run_dir) / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8"))
+
+
+def read_run_id(run_dir: str | Path) -> str | None:
+    """The run id in ``RUN_DIR/run.json``, or None when there is none (or it is unreadable: warned)."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        run_id = json.loads(path.read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        run_id = None
+    if not isinstance(run_id, str):
+        warnings.warn(f"{path} is unreadable; taking the run that saved last as the owner", CheckpointWarning, stacklevel=3)
+        return None
+    return run_id
+
+
+def run_markers(run_dir: str | Path) -> list[str]:
+    """The run files ``run_dir`` holds (empty when it is free for a new run)."""
+    run_dir = Path(run_dir)
+    return [name for name in RUN_MARKERS if (run_dir / name).exists()] if run_dir.is_dir() else []
+
+
+def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name") -> None:
+    """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out)."""
+    found = run_markers(run_dir)
+    if found and not overwrite:
+        raise RunDirError(
+            f"{run_dir} already holds a run ({', '.join(found)}); continue it with --resume {run_dir}, "
+            f"start another with a new {name_key}=..., or replace it with --overwrite"
+        )
+
+
+def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
+    """Delete the run in ``run_dir`` (``--overwrite``): everything in it, after checking that it is one run's directory.
+
+    Refused (one line) when the directory is the working directory or one of its parents, holds other runs in
+    sub-directories (an output_dir rather than a run), or holds ``keep`` (the config file the run was started with).
+    """
+    run_dir = Path(run_dir)
+    if not run_markers(run_dir):
+        return
+    root, cwd = run_dir.resolve(), Path.cwd().resolve()
+    why = None
+    if root == cwd or root in cwd.parents:
+        why = "it is the working directory or one of its parents"
+    elif nested := sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != CHECKPOINT_DIR
+                          and any((p / m).exists() for m in (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR))):
+        why = f"it holds other runs ({', '.join(nested[:3])})"
+    elif keep is not None and root in keep.resolve().parents:
+        why = f"it holds the config file {keep}"
+    if why:
+        raise RunDirError(f"--overwrite: refusing to delete {run_dir}: {why}; choose a run.name of its own")
+    for entry in root.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 # ---- random number generators ------------------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
-    """This process's global RNG states: python ``random``, torch CPU, every CUDA device (if initialised), numpy (if imported)."""
+    """This process's global RNG states as plain data: python ``random``, torch CPU, every CUDA device (if
+    initialised), numpy (if imported; its key array stored as a list of ints, which ``weights_only`` loads)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     np = sys.modules.get("numpy")
     if np is not None:
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: Mapping[str, Any]) -> None:
     """Undo :func:`capture_rng` (entries this process cannot use, such as CUDA on a CPU machine, are skipped)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
@@ -164,9 +580,11 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+# ---- logged files --------------------------------------------------------------------------------------
 def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
     """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
     out: dict[str, int] = {}
@@ -180,11 +598,42 @@ def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
     return out
 
 
-def truncate_logs(run_dir: Path, sizes: dict[str, int]) -> None:
-    """Cut each logged file back to its size at the checkpoint: lines a killed run wrote after it are dropped,
-    and the resumed run writes them again (no step appears twice in metrics.jsonl)."""
+def restore_logs(run_dir: Path, sizes: Mapping[str, int], step: int) -> None:
+    """Cut each logged file back to where it was at the checkpoint (``sizes``, recorded at ``step``).
+
+    Lines a killed run wrote after its checkpoint are dropped, and the resumed run writes them again (no step
+    appears twice). The cut always lands just after a complete line at or before the recorded size: a file that
+    is shorter than recorded (lines lost) or would end mid-line is cut to its last complete line with a
+    :class:`CheckpointWarning`, so the resumed run never appends after a fragment.
+    """
     for rel, size in sizes.items():
         path = run_dir / rel
-        if path.is_file() and path.stat().st_size > size:
-            with open(path, "r+b") as f:
-                f.truncate(size)
+        if not path.is_file():
+            warnings.warn(f"{path} is missing (it had {size} bytes at step {step}); the resumed run starts a new one",
+                          CheckpointWarning, stacklevel=2)
+            continue
+        actual = path.stat().st_size
+        with open(path, "r+b") as f:
+            end = _line_end_at_or_before(f, min(size, actual))
+            if actual < size:
+                warnings.warn(f"{path} is {actual} bytes, shorter than the {size} recorded at step {step}: lines were "
+                              f"lost; cut to its last complete line ({end} bytes) before resuming", CheckpointWarning, stacklevel=2)
+            elif end < size:
+                warnings.warn(f"{path} ends mid-line at the {size} bytes recorded at step {step}; cut to its last "
+                              f"complete line ({end} bytes) before resuming", CheckpointWarning, stacklevel=2)
+            if end < actual:
+                f.truncate(end)
+
+
+def _line_end_at_or_before(f: Any, limit: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline in the first ``limit`` bytes of ``f`` (0 when there is none)."""
+    pos = limit
+    while pos > 0:
+        start = max(0, pos - chunk)
+        f.seek(start)
+        block = f.read(pos - start)
+        i = block.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0

@@ -14,15 +14,20 @@ Under torchrun (:mod:`palestra.scale.distributed`) each rank plays ``train.batch
 own seed stream, the reward scores the global batch (so a curriculum advances identically on every rank),
 gradients are averaged (ddp) or reduce-scattered (fsdp), metrics are averaged, and rank 0 alone logs and
 writes checkpoints. Resilience: every phase of a step runs under a :class:`~palestra.engine.watchdog.StepWatchdog`
-(``train.step_timeout_s``), environment calls under ``train.data_timeout_s``, and a step whose reward or
-update is not finite is skipped with a warning; ``train.max_bad_steps`` skipped steps in a row end the run.
+(``train.step_timeout_s``), environment calls under ``train.data_timeout_s`` and the protocol checks of
+:class:`~palestra.engine.checked_environment.CheckedEnvironment`, and a step whose reward (a row or the batch's
+mean) or update is not finite is skipped with a warning; ``train.max_bad_steps`` skipped steps in a row end the
+run. SIGINT and SIGTERM stop the run at the next step boundary with a checkpoint
+(:class:`~palestra.engine.watchdog.StopSignals`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
+import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,15 +39,16 @@ import torch
 from palestra.config import Config, build_component
 from palestra.context import TrainContext
 from palestra.engine import checkpoint as ckpt
+from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.rollout import Rollout, collect
 from palestra.multiagent.credit import credit_rewards
-from palestra.engine.watchdog import StepWatchdog, call_with_timeout
+from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
 from palestra.multiagent.sharing import wrap_policy
 from palestra.plugin_manager import get_plugin_manager
 from palestra.scale.distributed import DistributedContext
 from palestra.types import Experience, SamplingParams, Stateful
 
-__all__ = ["EvalResult", "TrainResult", "Trainer", "TrainingAborted", "derive_seed"]
+__all__ = ["EvalResult", "Interrupted", "TrainResult", "Trainer", "TrainingAborted", "derive_seed"]
 
 
 class TrainingAborted(RuntimeError):
@@ -53,24 +59,6 @@ class TrainingAborted(RuntimeError):
 
 class NonFiniteStepWarning(UserWarning):
     """A step was skipped because its reward or its update was not finite."""
-
-
-class _TimedEnvironment:
-    """An environment whose ``reset`` and ``step`` run under ``train.data_timeout_s`` and the watchdog's "data" phase."""
-
-    def __init__(self, env: Any, timeout_s: float | None, watchdog: StepWatchdog) -> None:
-        self._env, self._timeout_s, self._watchdog = env, timeout_s, watchdog
-
-    def reset(self, *args: Any, **kwargs: Any) -> Any:
-        with self._watchdog.phase("data"):
-            return call_with_timeout(lambda: self._env.reset(*args, **kwargs), self._timeout_s, f"{type(self._env).__name__}.reset")
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._watchdog.phase("data"):
-            return call_with_timeout(lambda: self._env.step(*args, **kwargs), self._timeout_s, f"{type(self._env).__name__}.step")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
 
 
 def derive_seed(seed: int, stream: str, index: int = 0) -> int:
@@ -148,6 +136,11 @@ class Trainer:
         self.algorithm.setup(self.policy, self.context, reference=self.reference)
         self.hooks = get_plugin_manager().hook
         self.watchdog = StepWatchdog(t.step_timeout_s)
+        self.stop_signals = StopSignals()
+        # Written into every checkpoint, so that resume never continues another run that used the same directory.
+        # Rank 0's id on every rank: the checkpoints it writes and run.json agree.
+        self.run_id: str = self.dist.broadcast_object(uuid.uuid4().hex)
+        self.saved_step: int | None = None  # the step of the newest checkpoint written (or loaded)
         self.step = 0
         self.reward_ema: float | None = None
         self.bad_steps = 0  # consecutive skipped steps
@@ -166,9 +159,8 @@ class Trainer:
         started = time.perf_counter()
         with self.watchdog.phase("rollout"), self.dist.gathered(self.policy):
             ro = collect(
-                _TimedEnvironment(self.env, t.data_timeout_s, self.watchdog), self.policy, self.generator,
-                self.sampling, self.local_batch_size, group_size=t.group_size,
-                seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
+                self.checked(self.env), self.policy, self.generator, self.sampling, self.local_batch_size,
+                group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
             )
         gen_s = time.perf_counter() - started
         with self.watchdog.phase("reward"):
@@ -181,12 +173,15 @@ class Trainer:
                               agent_scores=agent_scores)
         mean = global_mean
         decay = t.reward_ema
-        self.reward_ema = mean if self.reward_ema is None else decay * self.reward_ema + (1 - decay) * mean
+        ema = mean if self.reward_ema is None else decay * self.reward_ema + (1 - decay) * mean
+        components = {f"reward/{k}": _mean64(v) for k, v in scored.components.items()}
+        self._check_aggregates({"reward/mean": mean, "reward/ema": ema, **components})
+        self.reward_ema = ema  # only once the batch is known to be usable: a skipped step leaves it as it was
         generated = int(batch.completion_mask.sum())
         metrics = {
             "reward/mean": mean,
             "reward/ema": self.reward_ema,
-            **{f"reward/{k}": float(v.float().mean()) for k, v in scored.components.items()},
+            **components,
             **{f"curriculum/{k}": v for k, v in scored.metrics.items()},
             "response/length": generated / max(1, batch.batch_size),
             "perf/gen_tokens_per_s": generated / max(gen_s, 1e-9),
@@ -206,15 +201,30 @@ class Trainer:
         """
         if not self.dist.enabled:
             out = self.reward(prompts, completions, metadata)
-            return out, float(out.scores.mean())
+            return out, _mean64(out.scores)
         parts = self.dist.all_gather_object((prompts, completions, metadata))
         start = sum(len(p[1]) for p in parts[: self.dist.rank])
         rows = slice(start, start + len(completions))
         out = self.reward(*([x for p in parts for x in p[i]] for i in range(3)))
-        mean = float(out.scores.mean())
+        mean = _mean64(out.scores)
         out.scores = out.scores[rows]
         out.components = {k: v[rows] for k, v in out.components.items()}
         return out, mean
+
+    def checked(self, env: Any) -> CheckedEnvironment:
+        """``env`` with its calls timed (``train.data_timeout_s``, the watchdog) and checked against the protocol."""
+        return CheckedEnvironment(env, name=self.config.environment.name, timeout_s=self.config.train.data_timeout_s,
+                                  watchdog=self.watchdog)
+
+    def _check_aggregates(self, means: Mapping[str, float]) -> None:
+        """A batch whose rows are finite can still average to inf/NaN (rows near float32's limit): skip it like a
+        non-finite row rather than log NaN and train on it."""
+        from palestra.engine.checked_reward import RewardError
+
+        bad = next(((k, v) for k, v in means.items() if not math.isfinite(v)), None)
+        if bad is not None:
+            raise RewardError(f"{self.reward.label}: the batch's {bad[0]} is {bad[1]} although every row is finite "
+                              "(scores too large to average)", nonfinite=True)
 
     def train_step(self) -> dict[str, float]:
         """One rollout and one update; returns the step's metrics (also sent to the loggers and hooks)."""
@@ -273,18 +283,20 @@ class Trainer:
         # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
         # collectives see every rank and the number needs no reduction.
         with self.watchdog.phase("eval"), self.dist.gathered(self.policy):
-            env = _TimedEnvironment(self.eval_env, t.data_timeout_s, self.watchdog)
-            ro = collect(env, self.policy, self.generator, params, n, seed=derive_seed(self.config.run.seed, "held-out"))
+            ro = collect(self.checked(self.eval_env), self.policy, self.generator, params, n,
+                         seed=derive_seed(self.config.run.seed, "held-out"))
             scored = self.reward.evaluate(*ro.reward_rows())
-        comps = {k: float(v.float().mean()) for k, v in scored.components.items()}
-        return EvalResult(float(scored.scores.mean()), comps, n, self.reward.max_score)
+        comps = {k: _mean64(v) for k, v in scored.components.items()}
+        return EvalResult(_mean64(scored.scores), comps, n, self.reward.max_score)
 
     # ---- the loop --------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
-        t = self.config.train
+        """Train to ``train.steps``. SIGINT/SIGTERM end it at the next step boundary, after a checkpoint, with
+        :class:`Interrupted` (see :meth:`_stop_if_signalled`)."""
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.truncate_logs(self.run_dir, self._log_sizes)  # a resumed run rewrites what followed its checkpoint
+            # a resumed run rewrites what followed its checkpoint
+            ckpt.restore_logs(self.run_dir, self._log_sizes, self.step)
         plain = self.config.to_dict()
         for logger in self.loggers:
             logger.open(self.run_dir, plain)
@@ -293,28 +305,56 @@ class Trainer:
         metrics: dict[str, float] = {}
         self.watchdog.start()
         try:
-            self.hooks.on_train_start(trainer=self, config=self.config)
-            if self.before is None:
-                self.before = self.evaluate()
-                self._log(self.before.metrics(), 0)
-            while self.step < t.steps:
-                metrics = self.train_step()
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
-                    metrics.update(self.evaluate().metrics())
-                history.append(metrics)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    self._log(metrics, self.step)
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save_step()
-            after = self.evaluate()
-            self._log(after.metrics(), self.step)
-            self.save()
-            self.hooks.on_train_end(trainer=self, metrics=metrics)
+            with self.stop_signals:
+                self.hooks.on_train_start(trainer=self, config=self.config)
+                if self.before is None:
+                    self.before = self.evaluate()
+                    self._log(self.before.metrics(), 0)
+                after = self._train_steps(history)
+                metrics = history[-1] if history else {}
+                self.hooks.on_train_end(trainer=self, metrics=metrics)
+        except Interrupted as e:
+            if e.at_once:  # a second signal: say what there is to resume from
+                e.saved_step, e.run_dir = self.saved_step, self.run_dir
+            raise
         finally:
             self.watchdog.stop()
             for logger in self.loggers:
                 logger.close()
         return TrainResult(self.before, after, metrics, self.run_dir, self.step, time.perf_counter() - started, history)
+
+    def _train_steps(self, history: list[dict[str, float]]) -> EvalResult:
+        """The steps from ``self.step`` to ``train.steps``, the final evaluation and checkpoint."""
+        t = self.config.train
+        while True:
+            self._stop_if_signalled()
+            if self.step >= t.steps:
+                break
+            metrics = self.train_step()
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                metrics.update(self.evaluate().metrics())
+            history.append(metrics)
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                self._log(metrics, self.step)
+            if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                self.save_step()
+        after = self.evaluate()
+        self._log(after.metrics(), self.step)
+        self.save()
+        return after
+
+    def _stop_if_signalled(self) -> None:
+        """At a step boundary: if a rank got SIGINT/SIGTERM, save this step and raise :class:`Interrupted`.
+
+        Every rank takes part (one all-reduce of a flag per step), so all stop at the same step; the signal
+        reported (and so the exit status) is rank 0's when it got one.
+        """
+        if not self.dist.any_true(self.stop_signals.received is not None):
+            return
+        signum = next(s for s in self.dist.all_gather_object(self.stop_signals.received) if s is not None)
+        if self.saved_step != self.step:
+            self.save_step()
+        raise Interrupted(signum, saved_step=self.step, run_dir=self.run_dir)
 
     def _log(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -338,7 +378,8 @@ class Trainer:
         else:
             policy = self.policy.state_dict()
         state: dict[str, Any] = {
-            "format": 2,
+            "format": ckpt.FORMAT,
+            "run_id": self.run_id,
             "step": self.step,
             "policy": policy,
             "optimizer": algorithm,
@@ -362,7 +403,8 @@ class Trainer:
         with self.watchdog.phase("checkpoint"):
             state = self.state_dict()
             if self.dist.is_main:
-                ckpt.save_torch(state, target)
+                ckpt.save_checkpoint(state, target)
+        self.saved_step = self.step
         return target
 
     def save_step(self) -> Path:
@@ -373,21 +415,30 @@ class Trainer:
             path = self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_name(self.step)
             if self.dist.is_main:
                 path = ckpt.save_step_checkpoint(self.run_dir, state, self.step, self.config.train.keep_checkpoints)
+        self.saved_step = self.step
         return path
 
     def load(self, path: str | Path) -> None:
-        """Restore a checkpoint written by :meth:`save` / :meth:`save_step` (every rank reads the file)."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if self.dist.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Restore a checkpoint written by :meth:`save` / :meth:`save_step` (every rank reads the file; it is loaded
+        with ``weights_only=True`` and its checksum verified, see :mod:`palestra.engine.checkpoint`)."""
+        self.load_state(ckpt.load_checkpoint(path), source=path)
 
-            set_model_state_dict(self.policy, state["policy"], options=StateDictOptions(full_state_dict=True))
-        else:
-            self.policy.load_state_dict(state["policy"])
+    def load_state(self, state: Mapping[str, Any], *, source: str | Path = "(state)") -> None:
+        """Restore a state already loaded with :func:`palestra.engine.checkpoint.load_checkpoint` from ``source``."""
+        try:
+            self._load_policy(state["policy"])
+        except (RuntimeError, KeyError, ValueError) as e:  # torch reports a mismatch as a page of size mismatches
+            mismatch = self._policy_mismatch(state["policy"], source)
+            if mismatch is None:  # the names and shapes agree: not the user's checkpoint, a fault to show in full
+                raise
+            raise ckpt.CheckpointError(mismatch) from e
         self.algorithm.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
         self.reward.load_state_dict(state["reward"])
         self.reward_ema = state["reward_ema"]
         self.step = int(state["step"])
+        self.saved_step = self.step
+        if isinstance(state.get("run_id"), str):
+            self.run_id = state["run_id"]  # the resumed run is the same run: its new checkpoints carry its id
         self.bad_steps = int(state.get("bad_steps", 0))
         before = state.get("before")
         self.before = EvalResult(**before) if before is not None else None
@@ -398,9 +449,40 @@ class Trainer:
         if len(rng) == self.dist.world_size:  # another world size: RNG streams cannot match anyway
             ckpt.restore_rng(rng[self.dist.rank])
         elif self.dist.is_main:
-            warnings.warn(f"checkpoint {path}: saved by {len(rng)} rank(s), resumed on {self.dist.world_size}; "
+            warnings.warn(f"checkpoint {source}: saved by {len(rng)} rank(s), resumed on {self.dist.world_size}; "
                           "random states start fresh", stacklevel=2)
         self.hooks.on_checkpoint_load(trainer=self, step=self.step, state=state)
+
+    def _load_policy(self, weights: Mapping[str, Any]) -> None:
+        if self.dist.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.policy, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.policy.load_state_dict(weights)
+
+    def _policy_mismatch(self, saved: Mapping[str, Any], source: str | Path) -> str | None:
+        """One line naming the first parameter whose name or shape differs between the checkpoint and the policy its
+        config built; None when they agree."""
+        where = f"checkpoint {source} does not fit the policy built from its config (policy {self.config.policy.name!r}, policy.options)"
+        live = self.policy.state_dict()  # FSDP: DTensors, whose shapes are the full ones
+        for name, value in live.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if name not in saved:
+                return f"{where}: parameter {name!r} {list(value.shape)} is not in the checkpoint"
+            stored = saved[name]
+            if isinstance(stored, torch.Tensor) and stored.shape != value.shape:
+                return f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint and {list(value.shape)} in the policy"
+        extra = next((k for k in saved if k not in live), None)
+        if extra is not None:
+            return f"{where}: the checkpoint has parameter {extra!r}, which the policy does not"
+        return None
+
+
+def _mean64(values: torch.Tensor) -> float:
+    """The mean of ``values`` in float64: float32 scores near its limit (3e38) would overflow a float32 sum."""
+    return float(values.detach().to(torch.float64).mean())
 
 
 def _nonfinite_reward(e: BaseException) -> bool:

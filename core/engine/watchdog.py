@@ -17,6 +17,10 @@ runs the call in a daemon worker thread and raises :class:`DataTimeout` in the c
 Python cannot kill a thread, so the stuck call keeps running in the background; the caller fails with a clear
 error, and if the call never returns the process still exits normally (the worker is a daemon) or, while a
 watchdog phase is open, the watchdog ends it.
+
+:class:`StopSignals` is the polite end: SIGINT (Ctrl-C) and SIGTERM (a scheduler, a spot pre-emption) become a
+request that the trainer honours at the next step boundary, by saving a checkpoint and raising :class:`Interrupted`
+(exit status 128 + the signal: 130, 143).
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any, TypeVar
 
-__all__ = ["DataTimeout", "StepWatchdog", "call_with_timeout"]
+__all__ = ["DataTimeout", "Interrupted", "StepWatchdog", "StopSignals", "call_with_timeout"]
 
 T = TypeVar("T")
 
@@ -182,3 +187,72 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+# ---- stopping on a signal ----------------------------------------------------------------------------------
+class Interrupted(BaseException):
+    """The run stopped on SIGINT or SIGTERM; the process should exit with :attr:`exit_code` (128 + the signal).
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` in a component (a reward wrapper that
+    reports a plugin's errors) turns it into something else. :meth:`line` is what the command prints.
+    """
+
+    def __init__(self, signum: int, *, saved_step: int | None = None, run_dir: str | os.PathLike[str] | None = None,
+                 at_once: bool = False) -> None:
+        super().__init__(signum)
+        self.signum, self.saved_step, self.run_dir, self.at_once = signum, saved_step, run_dir, at_once
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def line(self) -> str:
+        name = signal.Signals(self.signum).name
+        resume = f"resume with palestra train --resume {self.run_dir}"
+        if not self.at_once:
+            return f"stopped by {name}: saved step {self.saved_step}; {resume}"
+        if self.saved_step is None:
+            return f"stopped at once by a second {name}: no checkpoint was saved"
+        return f"stopped at once by a second {name}: nothing saved after step {self.saved_step}; {resume}"
+
+    def __str__(self) -> str:
+        return self.line()
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as a request to stop at the next step boundary; a context manager that installs the handlers.
+
+    The first signal only sets :attr:`received` (a handler may run anywhere in the main thread, in the middle of a
+    step or a checkpoint write, so it does nothing else); the trainer checks it between steps, saves and raises
+    :class:`Interrupted`. A second signal raises :class:`Interrupted` at once (``at_once``): whoever sent it wants the
+    process gone now. Handlers can only be installed from the main thread; elsewhere this does nothing. A signal the
+    process was started ignoring (SIG_IGN: a background job, nohup) stays ignored.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:  # noqa: PYI034
+        self.received = None
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.SIGNALS:
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous if previous is not None else signal.SIG_DFL
+            signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise Interrupted(signum, at_once=True)
+        self.received = signum

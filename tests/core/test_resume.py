@@ -84,8 +84,8 @@ def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_pa
     assert resumed.returncode == 0, err[-3000:]
     assert f"resuming {run_b}" in out
 
-    a = torch.load(run_a / ckpt.FINAL_NAME, weights_only=False)
-    b = torch.load(run_b / ckpt.FINAL_NAME, weights_only=False)
+    a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
+    b = ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
     assert a["step"] == b["step"] == STEPS
     assert a["policy"].keys() == b["policy"].keys()
     assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"]), "parameters differ after resume"
@@ -124,7 +124,7 @@ def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> Non
     assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "step-000006.pt", "step-000009.pt"]
     assert ckpt.find_resume_checkpoint(tmp_path).name == "step-000009.pt"
     # the final checkpoint.pt wins when it is newer
-    torch.save({**good, "step": 12}, tmp_path / ckpt.FINAL_NAME)
+    ckpt.save_checkpoint({**good, "step": 12}, tmp_path / ckpt.FINAL_NAME)
     assert ckpt.find_resume_checkpoint(tmp_path).name == ckpt.FINAL_NAME
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         ckpt.find_resume_checkpoint(tmp_path / "checkpoints")
@@ -134,7 +134,7 @@ def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path)
     from palestra.cli.train import resume_config
 
     raw = raw_config(tmp_path)
-    torch.save({"step": 3, "config": validate_config(raw).to_dict()}, tmp_path / ckpt.FINAL_NAME)
+    ckpt.save_checkpoint({"step": 3, "config": validate_config(raw).to_dict()}, tmp_path / ckpt.FINAL_NAME)
     config, _ = resume_config(str(tmp_path), ["train.steps=40", "train.save_every=5"])
     assert (config.train.steps, config.train.save_every, config.train.lr) == (40, 5, 5e-3)
     with pytest.raises(ConfigError, match=r"^train\.lr: cannot be changed with --resume"):
