@@ -1,4 +1,4 @@
-"""The ``palestra`` command: train | plugins | config | bench | plot | doctor.
+"""The ``palestra`` command: train | plugins | config | bench | plot | doctor | new.
 
 Each subcommand lives in ``palestra.cli.<name>`` and is imported only when used, so
 ``palestra --help`` stays fast. A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": "benchmark the kernels against baselines",
     "plot": "draw a run's metrics as a PNG dashboard",
     "doctor": "check the toolchain, kernels, data pipeline and one training step",
+    "new": "write a new plugin package to start from (palestra new plugin NAME)",
 }
 
 

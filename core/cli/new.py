@@ -1,0 +1,192 @@
+"""Write a new plugin package to start from: ``palestra new plugin NAME [--kinds reward,environment] [--dir DIR]``.
+
+The package (folder ``DIR/NAME``) is pip-installable as it stands: a ``pyproject.toml`` declaring the ``palestra``
+entry point, a module ``NAME`` whose commented hook implementations register one working minimal component per
+kind asked for (each registered as ``NAME``), a test that checks every one of them with the contract kit
+(``palestra.testing``), and a README. The files are rendered from ``palestra/cli/plugin_template/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import importlib.util
+import keyword
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from palestra.cli import UsageError
+
+TEMPLATES = Path(__file__).with_name("plugin_template")
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """What one kind of component adds to the package."""
+
+    hook: str  # the registration hook
+    modules: tuple[tuple[str, str], ...]  # (template file without .py.tmpl, what it holds): written into the package
+    factory: str  # what the hook registers, and the options dataclass (${cls} is the CamelCase name)
+    options: str
+    description: str
+    table: str  # its README row's last column
+
+
+SCAFFOLDS: dict[str, Scaffold] = {
+    "environment": Scaffold("register_environments", (("environment", "the environment"),), "${cls}Environment", "${cls}EnvironmentOptions",
+                            "copy a number: one agent, one turn, the answer in metadata['answer']",
+                            "copy a number (one agent, one turn); the answer goes in `metadata['answer']`"),
+    "reward": Scaffold("register_rewards", (("reward", "the reward"),), "${cls}Reward", "${cls}RewardOptions",
+                       "1 when the completion is metadata['answer'], partial when it contains it",
+                       "1 when the completion is the expected answer (`metadata['answer']`), `partial` when it contains it"),
+    "optimizer": Scaffold("register_optimizers", (("optimizer", "the optimiser"),), "${cls}Optimizer", "${cls}OptimizerOptions",
+                          "REINFORCE with a group baseline on palestra's learner loop",
+                          "REINFORCE with a group baseline, on palestra's learner loop (`palestra.Algorithm`)"),
+    "policy": Scaffold("register_policies", (("policy", "the policy's options and factory"), ("bigram", "the policy's model")),
+                       "build_policy", "${cls}PolicyOptions",
+                       "a bigram language model over UTF-8 bytes",
+                       "a bigram language model over UTF-8 bytes (`palestra.CausalLMPolicy`)"),
+    "logger": Scaffold("register_loggers", (("logger", "the logger"),), "${cls}Logger", "${cls}LoggerOptions",
+                       "tab-separated step/key/value lines in <run_dir>/${name}.tsv",
+                       "tab-separated `step key value` lines in `<run_dir>/${name}.tsv`"),
+}
+
+HOOK = '''
+
+@hookimpl
+def ${hook}(register):
+    # ${kind}.name=${name} in a config; its options are checked against ${options}.
+    from .${module} import ${factory}, ${options}
+
+    register("${name}", ${factory}, options=${options}, description="${description}")
+'''
+
+TEST = '''
+
+def test_the_${kind}_keeps_the_contract(palestra_contract):
+    palestra_contract("${kind}", "${name}"${settings})
+'''
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=["plugin"], help="what to create: a plugin package")
+    parser.add_argument("name", metavar="NAME", help="the plugin's module name, a Python identifier; each component is registered under it")
+    parser.add_argument("--kinds", default="reward,environment", metavar="KIND[,KIND...]",
+                        help=f"the components to write, one of each (default: reward,environment; kinds: {', '.join(SCAFFOLDS)})")
+    parser.add_argument("--dir", default=".", help="the folder to create the package folder NAME in (default: the current directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    kinds = parse_kinds(args.kinds)
+    target = Path(args.dir) / args.name
+    check_name(args.name, target, kinds)
+    files = render(args.name, kinds)
+    for relative, text in files.items():
+        path = target / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    print(f"wrote {target}/: a palestra plugin with {', '.join(f'{k} {args.name!r}' for k in kinds)}")
+    for relative in files:
+        print(f"  {target / relative}")
+    print(f"next: pip install -e {target} && (cd {target} && python -m pytest)")
+    return 0
+
+
+# ---- checking what was asked for ------------------------------------------------------------------------
+def parse_kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if not kinds:
+        raise UsageError(f"--kinds: name at least one kind ({', '.join(SCAFFOLDS)})")
+    for kind in kinds:
+        if kind not in SCAFFOLDS:
+            close = difflib.get_close_matches(kind, list(SCAFFOLDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (kinds: {', '.join(SCAFFOLDS)})"
+            raise UsageError(f"--kinds: unknown kind {kind!r}{hint}")
+    return list(dict.fromkeys(k for k in SCAFFOLDS if k in kinds))  # one of each, in a fixed order
+
+
+def check_name(name: str, target: Path, kinds: list[str]) -> None:
+    """NAME becomes a module, a folder and every component's registered name: each must be free."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        suggestion = re.sub(r"\W", "_", name).strip("_").lower()
+        hint = f"; try {suggestion!r}" if suggestion.isidentifier() and not keyword.iskeyword(suggestion) else ""
+        raise UsageError(f"NAME {name!r} is not a Python identifier (it becomes the module name){hint}")
+    if target.exists():
+        raise UsageError(f"NAME {name!r}: {target} already exists; pick another name or --dir")
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None:
+        where = found.origin or (list(found.submodule_search_locations or []) or ["?"])[0]
+        raise UsageError(f"NAME {name!r}: a module of that name already exists ({where}); pick another name")
+    from palestra.plugin_manager import get_registry
+
+    registry = get_registry()
+    for kind in kinds:
+        if (kind, name) in registry:
+            reg = registry.get(kind, name)
+            raise UsageError(f"NAME {name!r}: {kind} {name!r} is already registered by plugin {reg.plugin!r} "
+                             f"(distribution {reg.distribution!r}); pick another name")
+
+
+# ---- writing the package ---------------------------------------------------------------------------------
+def render(name: str, kinds: list[str]) -> dict[str, str]:
+    """Relative path -> text of every file of the package."""
+    from palestra import __version__
+    from palestra.hookspecs import PLUGIN_API
+
+    major = int(PLUGIN_API.split(".")[0])
+    values = {
+        "name": name,
+        "dist": name.replace("_", "-"),
+        "cls": "".join(part.capitalize() for part in name.split("_")) or name,
+        "summary": ", ".join(f"{kind} {name!r}" for kind in kinds),
+        "palestra_version": __version__,
+        "plugin_api": f">={major}.0,<{major + 1}",
+        "kinds": json.dumps(kinds),
+    }
+    values["hooks"] = "".join(_fill(HOOK, values, kind) for kind in kinds)
+    values["tests"] = "".join(_fill(TEST, values, kind, settings=_test_settings(kind, name, kinds)) for kind in kinds)
+    values["table"] = "\n".join(f"| {kind} | `{name}` | {_fill(SCAFFOLDS[kind].table, values, kind)} |" for kind in kinds)
+    values["files"] = "".join(f"| `{name}/{m}.py` | {what} |\n" for kind in kinds for m, what in SCAFFOLDS[kind].modules)
+    values["train"] = "palestra train train.steps=100 " + " ".join(f"{_config_key(kind)}.name={name}" for kind in kinds if kind != "logger") \
+        + (f" 'loggers=[{{name: {name}}}]'" if "logger" in kinds else "")
+    files = {
+        "pyproject.toml": _template("pyproject.toml", values),
+        "README.md": _template("README.md", values),
+        f"{name}/__init__.py": _template("__init__.py", values),
+        "tests/test_contract.py": _template("test_contract.py", values),
+    }
+    for kind in kinds:
+        for module, _ in SCAFFOLDS[kind].modules:
+            files[f"{name}/{module}.py"] = _template(f"{module}.py", values)
+    return files
+
+
+def _template(filename: str, values: dict[str, str]) -> str:
+    return Template((TEMPLATES / f"{filename}.tmpl").read_text(encoding="utf-8")).substitute(values)
+
+
+def _fill(text: str, values: dict[str, str], kind: str, **extra: str) -> str:
+    scaffold = SCAFFOLDS[kind]
+    fields = {**values, "kind": kind, "hook": scaffold.hook, "module": scaffold.modules[0][0], **extra}
+    for key in ("factory", "options", "description"):  # these hold ${cls} / ${name} themselves
+        fields[key] = Template(getattr(scaffold, key)).substitute(values)
+    return Template(text).substitute(fields)
+
+
+def _test_settings(kind: str, name: str, kinds: list[str]) -> str:
+    """Extra arguments of a kind's contract test: the plugin's own environment and policy where it has them."""
+    if kind == "reward" and "environment" in kinds:
+        return f', environment="{name}"'  # the reward reads the metadata this environment writes
+    if kind == "optimizer" and "policy" in kinds:
+        return f', policy="{name}"'
+    return ""
+
+
+def _config_key(kind: str) -> str:
+    return kind  # environment / reward / optimizer / policy: the config section names the component
