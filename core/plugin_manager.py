@@ -57,6 +57,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "palestra.plugins.envs.arithmetic",
     "palestra.plugins.envs.relay",
     "palestra.plugins.envs.customer_service",
+    "palestra.plugins.envs.textarena",
     "palestra.plugins.rewards.basic",
     "palestra.plugins.rewards.combinators",
     "palestra.plugins.rewards.dialogue",

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp"]
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
+TEXTARENA_EXAMPLES = ["textarena_rps"]
 FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
@@ -139,7 +140,7 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: 
 
 # ---- the example configs --------------------------------------------------------------------------------------
 def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
-    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, "hf_local"])
+    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, "hf_local"])
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -164,6 +165,9 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         assert shown["agents"] == {**written["agents"], **{k: v for k, v in shown["agents"].items() if k not in written["agents"]}}
         weights = {c["name"]: c["weight"] for c in shown["reward"]["options"]["components"]}
         assert weights == {"fluency": 0.4, "factual": 0.4, "politeness": 0.2}
+    elif path.stem in TEXTARENA_EXAMPLES:
+        assert shown["environment"]["name"] == "textarena" and shown["reward"]["name"] == "game_outcome"
+        assert shown["optimizer"]["name"] == "mappo" and shown["optimizer"]["options"]["ippo"] is True
     else:
         assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "./path/to/local/model"
         assert shown["policy"]["options"]["chat_template"] in ("auto", "on")
