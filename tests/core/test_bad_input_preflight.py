@@ -363,3 +363,28 @@ def test_unwritable_cache_under_auto_falls_back_to_torch_with_one_warning(tmp_pa
     problem = f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory)"
     assert result["lines"] == [f"palestra: warning: {problem}; the native kernels fall back to torch\n"]
     assert result["same"] == [True, True]
+
+
+# ---- through the command line: exit status 2, one line, nothing built -----------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda cases are about a machine without CUDA")
+@pytest.mark.parametrize(
+    "override, starts",
+    [
+        ("train.device=cuda", "palestra train: error: train.device: 'cuda' needs a CUDA GPU"),
+        ("train.device=gpu", "palestra train: error: train.device: expected auto, cpu, cuda"),
+        ("kernels.backend=cuda", "palestra train: error: kernels.backend: the cuda back end runs on CUDA tensors"),
+        ("run.output_dir=/proc/self/runs", "palestra train: error: run.output_dir: '/proc/self/runs' is under /proc"),
+        ("run.output_dir=a-file", "palestra train: error: run.output_dir: 'a-file' is a file, not a folder"),
+        ("train.batch_size=1000000000", "palestra train: error: train.batch_size: 1000000000 tasks x train.group_size"),
+        ("run.seed=-1", "palestra train: error: run.seed: must be >= 0, got -1"),
+    ],
+)
+def test_palestra_train_refuses_up_front_with_exit_2_and_one_line(
+    override: str, starts: str, a_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from palestra import cli
+
+    assert cli.main(["train", override]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(starts) and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()  # refused before anything was built or written
