@@ -632,13 +632,21 @@ class Algorithm:
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def _optimizer_states(self) -> dict[str, Any]:
-        """Each optimiser's state dict; under FSDP2 the full (unsharded) state, gathered on every rank."""
+        """Each optimiser's state dict; under FSDP2 the full (unsharded) state, gathered on every rank.
+
+        An optimiser that has not stepped yet (MAPPO's shared layers inside their update window) is saved as it is:
+        torch's FSDP helper would first give it a zero-learning-rate step to create its state, which moves AdamW's
+        step count and so changes every later update of the run.
+        """
         if not self.context.fsdp:
             return {name: opt.state_dict() for name, opt in self.optimizers.items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {name: get_optimizer_state_dict(self.groups[name].module, opt, options=full) for name, opt in self.optimizers.items()}
+        return {
+            name: get_optimizer_state_dict(self.groups[name].module, opt, options=full) if opt.state else opt.state_dict()
+            for name, opt in self.optimizers.items()
+        }
 
     def _load_optimizer_states(self, states: Mapping[str, Any]) -> None:
         if not self.context.fsdp:
@@ -649,7 +657,10 @@ class Algorithm:
 
         full = StateDictOptions(full_state_dict=True)
         for name, opt in self.optimizers.items():
-            set_optimizer_state_dict(self.groups[name].module, opt, states[name], options=full)
+            if states[name]["state"]:
+                set_optimizer_state_dict(self.groups[name].module, opt, states[name], options=full)
+            else:  # saved before its first step (see _optimizer_states): only the learning rates and options
+                opt.load_state_dict(states[name])
 
     def state_dict(self) -> dict[str, Any]:
         """Optimisers, LR schedules, the shuffling generator and the subclass's extra state; plus the fp16 loss

@@ -455,9 +455,9 @@ class Trainer:
 
     def _load_policy(self, weights: Mapping[str, Any]) -> None:
         if self.dist.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from palestra.scale.distributed import load_full_state_dict
 
-            set_model_state_dict(self.policy, weights, options=StateDictOptions(full_state_dict=True))
+            load_full_state_dict(self.policy, weights)
         else:
             self.policy.load_state_dict(weights)
 

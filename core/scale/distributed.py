@@ -275,6 +275,27 @@ class DistributedContext:
         return policy
 
 
+def load_full_state_dict(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded) state dict into an FSDP2-sharded ``module``: each rank keeps its shard of every tensor.
+
+    Why not ``set_model_state_dict``: a multi-agent policy shares modules between its agents' views, so one parameter
+    has several names; torch's loader shards it under one name and then copies a plain tensor into the DTensor under
+    the others ("mixed torch.Tensor and DTensor"). ``named_parameters`` lists every tensor once. Collective: every
+    rank calls it with the same state.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name not in state:
+                raise KeyError(f"the checkpoint has no {name!r}")
+            full = state[name].to(dtype=tensor.dtype)
+            if isinstance(tensor, DTensor):
+                tensor.copy_(distribute_tensor(full.to(tensor.device_mesh.device_type), tensor.device_mesh, tensor.placements))
+            else:
+                tensor.copy_(full)
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor

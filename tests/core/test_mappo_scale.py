@@ -141,3 +141,30 @@ def test_mappo_killed_mid_run_resumes_bitwise(tmp_path: Path) -> None:
 def _no_inherited_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
+
+
+def test_mappo_under_fsdp2_resumes_bitwise_from_a_mid_run_checkpoint(tmp_path: Path) -> None:
+    """Saving mid-window (the shared layers' optimiser has not stepped yet) must not perturb the run, and a resume from
+    that step file must end bitwise where the uninterrupted run ends: weights, critic, the shared-gradient window."""
+    env = clean_env([])
+    base = ["-m", "palestra", "train", "--config", str(EXAMPLE), *SMALL, "train.steps=6", "distributed.strategy=fsdp"]
+    for name in ("saved", "straight"):
+        (tmp_path / name).mkdir()
+    out = torchrun([*base, "train.save_every=3"], tmp_path / "saved", env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(base, tmp_path / "straight", env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "saved" / "runs" / "customer_service_mappo"
+    straight = torch.load(tmp_path / "straight" / "runs" / "customer_service_mappo" / "checkpoint.pt", weights_only=True)
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(saved["policy"][k], straight["policy"][k]) for k in straight["policy"]), "saving changed the run"
+    (run / "checkpoint.pt").unlink()  # as if the run had died after its step-3 checkpoint
+    out = torchrun(["-m", "palestra", "train", "--resume", str(run), "train.steps=6"], tmp_path / "saved", env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "from " + str(run / "checkpoints" / "step-000003.pt") in out.stdout
+    resumed = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(resumed["policy"][k], straight["policy"][k]) for k in straight["policy"]), "weights differ"
+    ea, eb = resumed["optimizer"]["extra"], straight["optimizer"]["extra"]
+    assert all(torch.equal(ea["critic"][k], eb["critic"][k]) for k in eb["critic"]), "critics differ"
+    assert len(ea["shared_accum"]) > 0 and all(torch.equal(a, b) for a, b in zip(ea["shared_accum"], eb["shared_accum"]))
+    assert ea["counters"] == eb["counters"]

@@ -343,7 +343,7 @@ class MAPPO(Algorithm):
             "agents": list(self.agents),
             "reward_moments": self.reward_moments.state_dict() if self.reward_moments is not None else None,
             "value_normalizer": self.value_normalizer.state_dict() if self.value_normalizer is not None else None,
-            "shared_accum": [a.clone() for a in self.shared_accum],
+            "shared_accum": [_full(a) for a in self.shared_accum],
             "counters": {"pending": self.pending, "updates": self.updates},
         }
 
@@ -363,9 +363,26 @@ class MAPPO(Algorithm):
             raise KeyError(f"{self.name}.load_state_dict: {len(state['shared_accum'])} accumulated shared gradients saved, "
                            f"{len(self.shared_accum)} here (agents.update_frequency or the sharing differ)")
         for acc, saved in zip(self.shared_accum, state["shared_accum"]):
-            acc.copy_(saved)
+            _load_full(acc, saved)
         c = state["counters"]
         self.pending, self.updates = int(c["pending"]), int(c["updates"])
+
+
+def _full(t: Any) -> Any:
+    """A copy of ``t`` as one whole tensor: an FSDP2 shard (DTensor) is gathered (collective), so the checkpoint holds
+    plain tensors that every rank, or another world size, can read."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
+def _load_full(target: Any, saved: Any) -> None:
+    """Copy a whole saved tensor into ``target``, keeping only this rank's shard when ``target`` is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        saved = distribute_tensor(saved.to(target.device_mesh.device_type), target.device_mesh, target.placements)
+    target.copy_(saved)
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor,
