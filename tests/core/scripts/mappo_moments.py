@@ -8,6 +8,7 @@ running statistics (reward moments, value normaliser) and, on rank 0, the single
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,3 +78,7 @@ if single is not None:
 out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{dist.rank}.json").write_text(json.dumps(result))
 dist.close()
+# As `palestra train` does (palestra.cli.train.end_rank): a finished rank leaves with os._exit, because the
+# interpreter's teardown after a gloo process group now and then aborts ("terminate called without an active exception").
+sys.stdout.flush()
+os._exit(0)
