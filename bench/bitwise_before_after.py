@@ -53,11 +53,13 @@ def install(rev: str, work: Path) -> Path:
     return site
 
 
-def configs(only: set[str] | None) -> dict[str, list[str]]:
-    """name -> the train arguments (the default run has none)."""
+def configs(only: set[str] | None, before_src: Path, after_src: Path) -> dict[str, list[str]]:
+    """name -> the train arguments (the default run has none): the examples both commits have, as the earlier
+    commit wrote them (an example added later has nothing to be compared with)."""
     out = {"default": []}
-    for path in sorted((ROOT / "examples").glob("*.yaml")):
-        out[path.stem] = ["--config", str(path)]
+    for path in sorted((before_src / "examples").glob("*.yaml")):
+        if (after_src / "examples" / path.name).exists():
+            out[path.stem] = ["--config", str(path)]
     return {k: v for k, v in out.items() if only is None or k in only}
 
 
@@ -192,7 +194,8 @@ def main() -> int:
         for side, rev in (("before", args.before), ("after", args.after)):
             sides[side] = install(rev, work / side)
         failed = 0
-        for name, cfg in configs(only).items():
+        chosen = configs(only, work / "before" / "src", work / "after" / "src")
+        for name, cfg in chosen.items():
             extra = [f"policy.options.path={model}"] if name == "hf_local" else []
             runs = {}
             for side in ("before", "after"):
@@ -208,7 +211,7 @@ def main() -> int:
     finally:
         for side in sides:
             sh("git", "worktree", "remove", "--force", str(work / side / "src"), cwd=ROOT)
-    print(f"{len(configs(only)) - failed} identical, {failed} differing ({args.before} -> {args.after}, {args.steps} steps)")
+    print(f"{len(chosen) - failed} identical, {failed} differing ({args.before} -> {args.after}, {args.steps} steps)")
     return 1 if failed else 0
 
 
