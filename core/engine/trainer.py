@@ -1,6 +1,6 @@
 """The training loop, and nothing else: rollout -> reward -> advantages -> update -> metrics, once per step.
 
-Data flows one way (see ARCHITECTURE.md): the environment makes observations, the generator samples
+Data flows one way (the README's architecture map): the environment makes observations, the generator samples
 completions from the policy, the reward scores finished episodes, the policy optimiser turns the scored
 batch into an update, and the metrics go to the loggers and the lifecycle hooks. Nothing downstream
 reaches back upstream.
@@ -41,8 +41,8 @@ from palestra.context import TrainContext
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.rollout import Rollout, collect
-from palestra.multiagent.credit import credit_rewards
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
+from palestra.multiagent.credit import credit_rewards
 from palestra.multiagent.sharing import wrap_policy
 from palestra.plugin_manager import get_plugin_manager
 from palestra.scale.distributed import DistributedContext
@@ -136,6 +136,8 @@ class Trainer:
         self.algorithm.setup(self.policy, self.context, reference=self.reference)
         self.hooks = get_plugin_manager().hook
         self.watchdog = StepWatchdog(t.step_timeout_s)
+        # The environments as every step calls them: timed and checked against the protocol (built once).
+        self.checked_env, self.checked_eval_env = self.checked(self.env), self.checked(self.eval_env)
         self.stop_signals = StopSignals()
         # Written into every checkpoint, so that resume never continues another run that used the same directory.
         # Rank 0's id on every rank: the checkpoints it writes and run.json agree.
@@ -159,7 +161,7 @@ class Trainer:
         started = time.perf_counter()
         with self.watchdog.phase("rollout"), self.dist.gathered(self.policy):
             ro = collect(
-                self.checked(self.env), self.policy, self.generator, self.sampling, self.local_batch_size,
+                self.checked_env, self.policy, self.generator, self.sampling, self.local_batch_size,
                 group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
             )
         gen_s = time.perf_counter() - started
@@ -283,7 +285,7 @@ class Trainer:
         # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
         # collectives see every rank and the number needs no reduction.
         with self.watchdog.phase("eval"), self.dist.gathered(self.policy):
-            ro = collect(self.checked(self.eval_env), self.policy, self.generator, params, n,
+            ro = collect(self.checked_eval_env, self.policy, self.generator, params, n,
                          seed=derive_seed(self.config.run.seed, "held-out"))
             scored = self.reward.evaluate(*ro.reward_rows())
         comps = {k: _mean64(v) for k, v in scored.components.items()}
