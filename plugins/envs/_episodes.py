@@ -16,6 +16,7 @@ class _HasTurn(Protocol):
 
 
 Row = TypeVar("Row", bound=_HasTurn)
+AnyRow = TypeVar("AnyRow")  # a row whose end something else decides (a game)
 
 
 def draw_tasks(
@@ -45,20 +46,20 @@ def check_actions(env: str, actions: Sequence[str | None], live: Sequence[bool])
             raise ValueError(f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}")
 
 
-def step_turns(
+def step_rows(
     env: str,
-    rows: Sequence[Row],
+    rows: Sequence[AnyRow],
     actions: Sequence[str | None],
-    max_turns: int,
-    act: Callable[[Row, str], dict[str, dict[str, Any]]],
-    observe: Callable[[Row], Observation],
+    act: Callable[[AnyRow, str], dict[str, dict[str, Any]]],
+    observe: Callable[[AnyRow], Observation],
+    is_done: Callable[[AnyRow], bool],
 ) -> StepResult:
-    """One turn of a turn-based environment whose rows carry a ``turn`` counter.
+    """One turn of a batched environment: every live row (``not is_done(row)``) applies its action.
 
-    ``act(row, action)`` applies a live row's action and returns its info (``{agent: {...}}``); the row then
-    moves to its next turn, and ``observe(row)`` makes the next observation unless ``max_turns`` is reached.
+    ``act(row, action)`` applies a live row's action and returns its info (``{agent: {...}}``); ``observe(row)``
+    makes the row's next observation unless the row is now done. AnyRows already done get no observation and no info.
     """
-    live = [r.turn < max_turns for r in rows]
+    live = [not is_done(r) for r in rows]
     check_actions(env, actions, live)
     observations: list[Observation | None] = []
     done: list[bool] = []
@@ -71,8 +72,25 @@ def step_turns(
             continue
         assert action is not None
         info.append(act(row, action))
-        row.turn += 1
-        finished = row.turn >= max_turns
+        finished = is_done(row)
         observations.append(None if finished else observe(row))
         done.append(finished)
     return StepResult(observations=observations, done=done, info=info)
+
+
+def step_turns(
+    env: str,
+    rows: Sequence[Row],
+    actions: Sequence[str | None],
+    max_turns: int,
+    act: Callable[[Row, str], dict[str, dict[str, Any]]],
+    observe: Callable[[Row], Observation],
+) -> StepResult:
+    """One turn of a turn-based environment whose rows carry a ``turn`` counter: a row is done after ``max_turns``."""
+
+    def act_and_count(row: Row, action: str) -> dict[str, dict[str, Any]]:
+        out = act(row, action)
+        row.turn += 1
+        return out
+
+    return step_rows(env, rows, actions, act_and_count, observe, lambda row: row.turn >= max_turns)

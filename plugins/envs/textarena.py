@@ -61,7 +61,7 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from palestra.plugins.envs._episodes import check_actions, draw_tasks
+from palestra.plugins.envs._episodes import draw_tasks, step_rows
 
 INSTALL_HINT = 'pip install "palestra[textarena]"'
 OPPONENT_KINDS = ("random", "first", "fixed:<action>")
@@ -225,22 +225,8 @@ class TextArenaEnv:
         return [r.observation for r in self._rows]  # type: ignore[misc]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
-        live = [not r.done for r in self._rows]
-        check_actions("textarena", actions, live)
-        observations: list[Observation | None] = []
-        done: list[bool] = []
-        info: list[dict[str, dict[str, Any]]] = []
-        for row, running, action in zip(self._rows, live, actions):
-            if not running:
-                observations.append(None)
-                done.append(True)
-                info.append({})
-                continue
-            assert action is not None
-            info.append(self._act(row, action))
-            observations.append(row.observation)
-            done.append(row.done)
-        return StepResult(observations=observations, done=done, info=info)
+        # The game decides when a row ends; its next observation is made when its turn is played (_act).
+        return step_rows("textarena", self._rows, actions, self._act, lambda row: row.observation, lambda row: row.done)
 
     # ---- scripted play and the legal-move helper -----------------------------------------------------------
     def legal_moves(self, observation: Observation) -> list[str]:
