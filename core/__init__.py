@@ -52,6 +52,8 @@ _LAZY = {
     "Stateful": "palestra.types",
     "HeldOutScoring": "palestra.types",
     "GradientCheckpointing": "palestra.types",
+    "AdapterPolicy": "palestra.types",
+    "HeldOutSplit": "palestra.types",
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
     "Algorithm": "palestra.engine.learner",

@@ -1,8 +1,14 @@
-"""What plugins registered: components by kind and name, each with the plugin that registered it."""
+"""What plugins registered: components by kind and name, each with the plugin that registered it.
+
+A component that needs an optional package registers its factory wrapped in :class:`Requires`; it is listed
+(``palestra plugins --all`` shows it as unavailable, with the install command) whether the package is there or
+not, and asking the registry for it while the package is missing is one line naming the package and the command.
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +34,56 @@ class RegistryError(LookupError):
 
 
 @dataclass(frozen=True)
+class Requirement:
+    """An optional Python package a component needs: its import name and the command that installs it."""
+
+    module: str  # the top-level import name, checked with importlib.util.find_spec (nothing is imported)
+    install: str  # e.g. 'pip install "palestra[reasoning-gym]"'
+
+    def installed(self) -> bool:
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):  # a broken or blocked package is as good as a missing one
+            return False
+
+    def missing_message(self, what: str) -> str:
+        """One line: ``<what> needs the Python package '<module>', which is not installed; install it with: <install>``."""
+        return f"{what} needs the Python package {self.module!r}, which is not installed; install it with: {self.install}"
+
+
+class MissingPackageError(ImportError):
+    """A component's optional package is not installed; the message names it and the install command."""
+
+    palestra_user_error = True
+
+
+class Requires:
+    """A factory that needs an optional package: ``register("x", Requires(XEnv, module="x", install="pip install x"))``.
+
+    Calling it without the package raises :class:`MissingPackageError` (one line) before the factory runs, so the
+    factory may import the package freely; :attr:`Registration.requires` reads the requirement for listings.
+    """
+
+    def __init__(self, factory: Callable[..., Any], *, module: str, install: str) -> None:
+        if not callable(factory):
+            raise TypeError(f"Requires: factory must be callable, got {type(factory).__name__}")
+        self.factory = factory
+        self.requirement = Requirement(module, install)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.requirement.installed():
+            raise MissingPackageError(self.requirement.missing_message(_qualname(self.factory)))
+        return self.factory(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Requires({_qualname(self.factory)}, module={self.requirement.module!r})"
+
+
+def _qualname(factory: Callable[..., Any]) -> str:
+    return getattr(factory, "__qualname__", None) or type(factory).__name__
+
+
+@dataclass(frozen=True)
 class Registration:
     kind: str
     name: str
@@ -36,6 +92,21 @@ class Registration:
     description: str
     plugin: str  # the plugin's name in the plugin manager
     distribution: str | None  # the installed distribution that provides the plugin ("palestra" for built-ins)
+
+    @property
+    def requires(self) -> Requirement | None:
+        """The optional package the component needs (its factory is a :class:`Requires`), or None."""
+        return self.factory.requirement if isinstance(self.factory, Requires) else None
+
+    @property
+    def available(self) -> bool:
+        """False when the component needs a package that is not installed."""
+        return self.requires is None or self.requires.installed()
+
+    def check_available(self) -> None:
+        """Raise :class:`RegistryError` (one line, with the install command) when :attr:`available` is False."""
+        if self.requires is not None and not self.requires.installed():
+            raise RegistryError(self.requires.missing_message(f"{self.kind} {self.name!r}"))
 
 
 @dataclass(frozen=True)
@@ -64,8 +135,11 @@ class Registry:
         self._items[key] = reg
 
     def get(self, kind: str, name: str) -> Registration:
+        """The registration of ``kind`` ``name``; a one-line :class:`RegistryError` when there is none, or when it
+        needs an optional package that is not installed (naming the package and its install command)."""
         reg = self._items.get((kind, name))
         if reg is not None:
+            reg.check_available()
             return reg
         known = self.names(kind)
         msg = f"no {kind} named {name!r}"

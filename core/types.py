@@ -226,10 +226,13 @@ class Experience:
     returns: torch.Tensor | None = None  # [B, T] value targets (PPO), set by the optimiser's prepare()
     old_values: torch.Tensor | None = None  # [B, T] values at rollout time (PPO value clipping)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...]: an optimiser's own per-row data
+    # [B, T] the learner's own log-probs before the update (the proximal policy of rollout correction); set by the
+    # learner when an update needs them across passes, None otherwise
+    old_logprobs: torch.Tensor | None = None
 
     _ROW_FIELDS = (
         "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs", "rewards",
-        "advantages", "group_ids", "ref_logprobs", "returns", "old_values",
+        "advantages", "group_ids", "ref_logprobs", "returns", "old_values", "old_logprobs",
     )
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Experience:
@@ -290,6 +293,7 @@ class Experience:
             ref_logprobs=cat("ref_logprobs", per_token),
             returns=cat("returns", per_token),
             old_values=cat("old_values", per_token),
+            old_logprobs=cat("old_logprobs", per_token),
             reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in keys
                                if all(k in b.reward_components for b in batches)},
             metadata=[m for b in batches for m in b.metadata] if all(b.metadata for b in batches) else [],
@@ -319,6 +323,7 @@ class Experience:
             "ref_logprobs": (self.ref_logprobs, ((b, t),)),
             "returns": (self.returns, ((b, t),)),
             "old_values": (self.old_values, ((b, t),)),
+            "old_logprobs": (self.old_logprobs, ((b, t),)),
             **{f"reward_components[{k!r}]": (v, ((b,),)) for k, v in self.reward_components.items()},
         }
         for name, (tensor, shapes) in expected.items():
@@ -333,7 +338,7 @@ class Experience:
         for name in ("prompt_ids", "completion_ids", "group_ids"):
             if getattr(self, name).dtype != torch.int64:
                 raise ValueError(f"Experience.{name}: expected dtype torch.int64, got {getattr(self, name).dtype}")
-        for name in ("behaviour_logprobs", "rewards", "advantages", "ref_logprobs"):
+        for name in ("behaviour_logprobs", "rewards", "advantages", "ref_logprobs", "old_logprobs"):
             tensor = getattr(self, name)
             if tensor is not None and not tensor.is_floating_point():
                 raise ValueError(f"Experience.{name}: expected a floating dtype, got {tensor.dtype}")
@@ -483,6 +488,31 @@ class GradientCheckpointing(Protocol):
 
 
 @runtime_checkable
+class HeldOutSplit(Protocol):
+    """An environment that keeps its own held-out tasks (a data set's evaluation split; optional). The trainer
+    evaluates on ``held_out()``, which training never draws from; other environments are evaluated on a second
+    instance drawing held-out seeds."""
+
+    def held_out(self) -> Environment: ...
+
+
+@runtime_checkable
+class AdapterPolicy(Protocol):
+    """A policy that trains adapters (LoRA) over frozen base weights (optional).
+
+    Its frozen base is the KL reference, so no second copy of the model is made: ``base_reference()`` returns a
+    module whose ``score`` runs the policy with its adapters disabled. Checkpoints hold only
+    ``adapter_state_dict()`` (the trainable tensors), which ``load_adapter_state_dict`` puts back.
+    """
+
+    def base_reference(self) -> Any: ...
+
+    def adapter_state_dict(self) -> dict[str, Any]: ...
+
+    def load_adapter_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
 class FileLogger(Protocol):
     """A logger that appends to one file in the run directory (optional): checkpoints record its size, so that
     a resumed run cuts what followed the checkpoint."""
@@ -505,6 +535,8 @@ class Logger(Protocol):
 
 
 __all__ = [
+    "AdapterPolicy",
+    "HeldOutSplit",
     "DEFAULT_AGENT",
     "AgentId",
     "Environment",

@@ -1,4 +1,4 @@
-"""The ``palestra`` command: train | plugins | config | bench | plot | doctor | new.
+"""The ``palestra`` command: train | export | plugins | config | bench | plot | doctor | new.
 
 Each subcommand lives in ``palestra.cli.<name>`` and is imported only when used, so
 ``palestra --help`` stays fast. A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -16,6 +16,7 @@ from palestra import __version__
 # name -> one-line help; the module palestra.cli.<name> does the work.
 COMMANDS = {
     "train": "train a policy (default: the built-in task)",
+    "export": "write a run's trained policy as a transformers folder",
     "plugins": "list installed plugins and what they register",
     "config": "show the resolved configuration",
     "bench": "benchmark the kernels against baselines",

@@ -4,6 +4,9 @@ Third-party plugins only by default (``--all`` adds palestra's built-ins); a plu
 listed with its error. The table starts with the plugin API version palestra provides, and each plugin's
 declared API range (``PALESTRA_PLUGIN_API``) shows with its version. ``--json`` prints a JSON list, one object per
 plugin (with ``api``, its declared range, and ``plugin_api``, palestra's), for scripts.
+
+A component that needs an optional package that is not installed is listed as unavailable, with the command
+that installs it (in the table after its name; in JSON under ``unavailable``, one object per component).
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ def describe(info: PluginInfo, registry: Registry) -> dict[str, Any]:
     mine = registry.by_plugin(info.name) if info.error is None else []
     for kind, plural in PLURALS.items():
         row[plural] = sorted(reg.name for reg in mine if reg.kind == kind)
+    row["unavailable"] = [
+        {"kind": reg.kind, "name": reg.name, "requires": reg.requires.module, "install": reg.requires.install}
+        for reg in sorted(mine, key=lambda r: (r.kind, r.name))
+        if reg.requires is not None and not reg.available
+    ]
     row["error"] = info.error
     return row
 
@@ -68,7 +76,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if row["error"] is not None:
             provides = [f"FAILED: {row['error']}"]
         else:
-            provides = [f"{plural}: {', '.join(row[plural])}" for plural in PLURALS.values() if row[plural]]
+            missing = {(u["kind"], u["name"]): u for u in row["unavailable"]}
+            provides = [
+                f"{plural}: " + ", ".join(_shown(kind, name, missing) for name in row[plural])
+                for kind, plural in PLURALS.items()
+                if row[plural]
+            ]
         hooks = row["hooks"]
         for i in range(max(len(hooks), len(provides), 1)):
             first = i == 0
@@ -86,3 +99,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(
         ("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in [header, *lines]
     )
+
+
+def _shown(kind: str, name: str, missing: dict[tuple[str, str], dict[str, str]]) -> str:
+    """A component's name, with ``(unavailable: <install command>)`` when its optional package is missing."""
+    gap = missing.get((kind, name))
+    return name if gap is None else f"{name} (unavailable: {gap['install']})"

@@ -1,10 +1,12 @@
 """Train a policy: resolve the config, load the plugins, build and check the components, run the trainer, report.
 
 ``--resume RUN_DIR`` continues a run from its newest intact checkpoint with the config saved in it; only the keys
-in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts) may be overridden,
-since anything else would make the continuation a different run. A new run refuses a directory that holds a run
-unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM save a checkpoint at the next step boundary and exit
-130/143 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and writes.
+in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts, the export) may be
+overridden, since anything else would make the continuation a different run. A new run refuses a directory that
+holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM save a checkpoint at the next step
+boundary and exit 130/143 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
+writes. With ``train.export: true`` the trained policy is also written as a transformers folder when training ends
+(what ``palestra export`` writes; whether it can be written is checked before training starts).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # What `--resume` lets you change: extend the run (train.steps; the LR schedule is recomputed for the new length)
-# and how it saves, logs, evaluates and times out. Anything else would continue a different run.
+# and how it saves, logs, evaluates, times out and exports. Anything else would continue a different run.
 RESUMABLE_KEYS = (
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.log_every", "train.eval_every",
     "train.step_timeout_s", "train.data_timeout_s", "train.max_bad_steps", "distributed.timeout_s",
+    "train.export", "train.export_dir", "train.export_merge_lora",
 )
 
 
@@ -158,7 +161,54 @@ def run(args: argparse.Namespace) -> int:
         from palestra.cli.dashboard import plot_dashboard
 
         print(f"plot: {plot_dashboard(result.run_dir)}")
+    if config.train.export:
+        print(export_at_end(trainer, result.run_dir))
     return end_rank(trainer.dist, 0)
+
+
+def export_path(config: Config, run_dir: Path) -> Path:
+    """Where ``train.export`` writes: ``train.export_dir``, else ``<run directory>/export``."""
+    return Path(config.train.export_dir) if config.train.export_dir is not None else run_dir / "export"
+
+
+def check_export(config: Config, run_dir: Path, *, overwrite: bool, run_id: str | None) -> None:
+    """Before training: one line if ``train.export`` could not write its folder when training ends (transformers
+    missing, the folder a file or holding anything but this run's own earlier export)."""
+    import importlib.util
+
+    from palestra.cli.export import check_out_dir, is_export_of
+
+    if not config.train.export:
+        return
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("train.export: writing a transformers folder needs transformers; pip install 'palestra[hf]' "
+                          "(or set train.export=false)")
+    out = export_path(config, run_dir)
+    if overwrite and run_dir.resolve() in out.resolve().parents:
+        return  # --overwrite deletes the run directory, and the folder with it
+    if run_id is not None and is_export_of(out, run_id):
+        return  # a resumed run replaces its own earlier export
+    check_out_dir(out, force=False, run_dir=run_dir, key="train.export_dir",
+                  remedy="set train.export_dir to a new folder, or delete that one")
+
+
+def export_at_end(trainer: Trainer, run_dir: Path) -> str:
+    """Write the trained policy where ``train.export`` says (a run's own earlier export is replaced); the line
+    saying what was written."""
+    from palestra.cli.export import ExportError, describe_export, is_export_of, write_export
+    from palestra.engine.checkpoint import FINAL_NAME
+
+    config = trainer.config
+    out = export_path(config, run_dir)
+    provenance = {"run_dir": str(run_dir.resolve()), "checkpoint": str((run_dir / FINAL_NAME).resolve()),
+                  "step": trainer.step, "run_id": trainer.run_id}
+    try:
+        write_export(trainer.policy, out, policy_name=config.policy.name, merge_lora=config.train.export_merge_lora,
+                     provenance=provenance, replace=is_export_of(out, trainer.run_id))
+    except OSError as e:  # a full disk, say: the run itself is saved, so say how to export it again
+        raise ExportError(f"train.export: writing {out} failed ({e}); the trained run is saved in {run_dir}: "
+                          f"palestra export {run_dir} --out DIR writes it") from None
+    return describe_export(out, run=f"{run_dir} step {trainer.step}")
 
 
 def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tuple[Trainer, ResumePoint | None]:
@@ -180,9 +230,14 @@ def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tup
     # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
     preflight(config, run_dir=run_dir if resume is not None else None)
 
+    check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)
     # builds and checks every component: a bad one stops here, with one line
     trainer = Trainer(config, run_dir=run_dir)
     try:
+        if config.train.export and trainer.dist.fsdp:
+            raise ConfigError("train.export: the policy's weights are sharded across ranks under "
+                              "distributed.strategy=fsdp; set train.export=false and run palestra export RUN_DIR "
+                              "--out DIR after training")
         if point is not None:
             trainer.load_state(point.state, source=point.path)
         # Rank 0 alone touches the directory, and only now: under torchrun the other ranks have checked it (above)

@@ -167,8 +167,18 @@ class TrainConfig:
     step_timeout_s: float | None = option(None, gt=0)
     data_timeout_s: float | None = option(120.0, gt=0)  # one environment reset/step longer than this fails the run
     max_bad_steps: int = option(3, ge=1)  # non-finite loss or reward: skip the step; this many in a row abort
+    # When training ends, write the policy as a transformers folder: what `palestra export` writes (docs/export.md).
+    export: bool = False
+    export_dir: str | None = None  # where; null: <run directory>/export
+    export_merge_lora: bool = True  # a LoRA policy: adapters merged into the weights, or (false) base + peft adapter
 
     def __post_init__(self) -> None:
+        if self.export_dir is not None and not self.export_dir.strip():
+            raise OptionError("export_dir",
+                              f"must name a folder (or be null for <run directory>/export), got {self.export_dir!r}")
+        if self.export_dir is not None and not self.export:
+            raise OptionError("export_dir", f"is {self.export_dir!r} but train.export is false, so nothing would be "
+                              "written there; set train.export=true (or drop export_dir)")
         if not (isinstance(self.device, str) and DEVICE_PATTERN.fullmatch(self.device)):
             hint = "; did you mean 'cuda'?" if str(self.device).lower() in ("gpu", "cuda:", "nvidia") else ""
             raise OptionError("device", f"expected {DEVICE_CHOICES}, got {self.device!r}{hint}")

@@ -25,6 +25,12 @@ as plain data, ...) every checkpoint carries
 * ``integrity``: ``{"sha256": ...}`` over everything else: every tensor's dtype, shape and bytes, every plain value
   (:func:`content_digest`). A truncated, empty or random file fails to open; a damaged one fails the digest.
 
+**Adapter checkpoints.** For a policy that trains adapters over frozen weights (LoRA:
+:class:`palestra.types.AdapterPolicy`), ``policy`` holds only ``adapter_state_dict()`` (the adapters and a value
+head) and ``policy_adapters`` is true; the optimiser state covers those tensors alone. The frozen base is not in the
+file: resume rebuilds it from the model files the saved config names, then loads the adapters. Same format, same
+safety (the adapters are tensors like any weights).
+
 **Resuming** (:func:`resume_point`) takes the owning run's checkpoints (the id in ``run.json``; without one, the run
 that saved last), newest step first, and falls back past a corrupt one with a warning. It never follows a link or
 pointer out of the run directory and never takes another run's checkpoint.

@@ -27,6 +27,14 @@ tokens, otherwise by its share of rows (see :meth:`Algorithm.micro_weights`). TR
 would instead weight short micro-batches' tokens more. Metrics are averaged over micro-batches by token
 share (so they equal the full batch's token means) and over passes; ``grad/norm`` and
 ``grad/update_ratio`` are the mean over passes, ``lr`` the rate used by this update.
+
+Rollout correction (``options.rollout_correction``, :mod:`palestra.rl.rollout_correction`): with it on, policy
+ratios are taken against the learner's own pre-update log-probs (:meth:`Algorithm.proximal_logprobs`) and the
+policy-gradient term is multiplied by importance weights for the sampler (:meth:`Algorithm.rollout_terms`, which
+:meth:`Algorithm.add_entropy_and_kl` calls). ``rollout/*`` metrics (the sampler-learner gap) come from the first
+pass, correction or not. Diagnostics: ``diag/*`` group-tie metrics on every update, and the costlier
+``diag/entropy_grad_share`` / ``diag/logit_norm`` every ``options.diagnostics_every`` updates
+(:meth:`Algorithm.diagnostics_probe`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from palestra.config import OptionError, check_options, option
 from palestra.context import TrainContext
 from palestra.rl.names import LossAgg
+from palestra.rl.rollout_correction import RolloutCorrectionOptions
 from palestra.types import Experience, GradientCheckpointing
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that loading the optimizer plugins stays light
@@ -62,6 +71,13 @@ class AlgorithmOptions:
     # row's token mean (length-biased, original GRPO); mean over rows of token sum / loss_norm_length (Dr.GRPO).
     loss_agg: LossAgg = "token_mean"
     loss_norm_length: int | None = option(None, ge=1)  # seq_mean_token_sum_norm's constant; None: train.max_new_tokens
+    # Importance weights for behaviour log-probs that came from another engine than the learner
+    # (palestra.rl.rollout_correction); off by default, the rollout/* gap metrics are logged either way.
+    rollout_correction: RolloutCorrectionOptions = option(default_factory=RolloutCorrectionOptions)
+    # The costlier diagnostics (diag/entropy_grad_share, diag/logit_norm) run on one micro-batch of every
+    # diagnostics_every-th update; 0: never. The group-tie ones are cheap and logged on every update.
+    diagnostics_every: int = option(50, ge=0)
+    diagnostics_tie_std: float = option(1e-2, ge=0)  # a group whose reward std is at most this counts as tied
 
 
 @dataclass
@@ -429,10 +445,21 @@ class Algorithm:
             raise ValueError(f"{self.name}.update: the batch has {n} rows, fewer than train.grad_accum={k} micro-batches")
         self.begin_update(rows)
         passes = self.train.updates_per_batch
+        if self.options.rollout_correction.enabled and passes > 1:
+            # Later passes need the pre-update log-probs after the weights have moved: one no-grad scoring pass.
+            # (A single pass takes them from its own forward, detached: see proximal_logprobs.)
+            import torch
+
+            with torch.no_grad():
+                rows.old_logprobs = self.score_in_chunks(policy, rows).logprobs
         lr = float(self.optimizer.param_groups[0]["lr"])
+        every = self.options.diagnostics_every
+        probe = every > 0 and self.scheduler.last_epoch % every == 0  # counts optimiser steps; checkpointed
         results: list[dict[str, float]] = []
         for pass_index in range(passes):
-            result = self._with_backoff(rows, budget, lambda b, i=pass_index: self._pass(policy, rows, i, b), "update")
+            result = self._with_backoff(
+                rows, budget, lambda b, i=pass_index: self._pass(policy, rows, i, b, probe=probe and i == 0), "update"
+            )
             if result is None:  # a bad step: skip the rest of this update
                 out = {"train/skipped": 1.0, "lr": lr, **self.precision.metrics()}
                 if self.train.auto_micro_batch and self.auto_budget_cap is not None:
@@ -453,6 +480,7 @@ class Algorithm:
             for scheduler in self.schedulers.values():
                 scheduler.step()  # the schedule follows optimiser steps (an update lost to fp16 overflow is not one)
         self.after_update(batch)
+        totals.update(self.group_diagnostics(batch))
         totals["lr"] = lr
         totals["train/skipped"] = 0.0
         totals.update(self.precision.metrics())
@@ -467,8 +495,15 @@ class Algorithm:
         if self.master is not None:
             self.master.zero_grad()
 
-    def _pass(self, policy: Any, rows: Experience, pass_index: int, budget: int | None) -> dict[str, float] | None:
-        """One pass: micro-batch forwards and backwards, gradient sync, unscale, clip, step. None: a bad step."""
+    def _pass(
+        self, policy: Any, rows: Experience, pass_index: int, budget: int | None, *, probe: bool = False
+    ) -> dict[str, float] | None:
+        """One pass: micro-batch forwards and backwards, gradient sync, unscale, clip, step. None: a bad step.
+
+        ``probe``: measure the costlier diagnostics on the first micro-batch (see :meth:`diagnostics_probe`).
+        ``rollout/*`` metrics compare the behaviour log-probs with the learner's *before* the update, so only the
+        first pass reports them; ``MAX_METRICS`` combine over micro-batches by their maximum, the rest by token share.
+        """
         import torch
 
         from palestra.scale.micro_batching import trim_padding
@@ -485,14 +520,28 @@ class Algorithm:
             if budget is not None:
                 micro = trim_padding(micro)
             loss, micro_metrics = self.loss(policy, micro)
+            if self.options.rollout_correction.enabled and "rollout/is_weight_mean" not in micro_metrics:
+                from palestra.config import ConfigError
+
+                raise ConfigError(
+                    f"optimizer.options.rollout_correction: {self.name}'s loss does not apply it (it calls neither "
+                    "add_entropy_and_kl nor rollout_terms); set level to null"
+                )
             value = float(loss.detach())
             if not math.isfinite(value) and bad is None:
                 bad = f"non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} ({micro.batch_size} rows)"
             # Backward even after a bad loss: every rank runs the same collectives (DDP hooks, grad_sync).
             self.precision.backward(loss * w)
+            if probe and micro_index == 0:
+                metrics.update(self.diagnostics_probe(policy, micro, w))
             metrics["loss"] += w * value
             for key, v in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + share * float(v)
+                if pass_index > 0 and key.startswith("rollout/"):
+                    continue
+                if key in MAX_METRICS:
+                    metrics[key] = max(metrics.get(key, -math.inf), float(v))
+                else:
+                    metrics[key] = metrics.get(key, 0.0) + share * float(v)
         if bad is not None:
             # Make the skip collective: NaN gradients reach every rank through grad_sync, so all ranks skip.
             with torch.no_grad():
@@ -580,13 +629,15 @@ class Algorithm:
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped surrogate per token (:func:`palestra.rl.clipped_surrogate`), minus the entropy bonus,
-        plus ``kl_coef`` * KL when > 0; metric tensors ``policy/clip_frac``, ``policy/ratio_mean``,
-        ``policy/entropy`` and, whenever the batch has reference log-probs, ``policy/kl``."""
+        """The clipped surrogate per token (:func:`palestra.rl.clipped_surrogate`) with the ratio taken against
+        :meth:`proximal_logprobs`, then :meth:`add_entropy_and_kl` (rollout correction, entropy bonus, KL); metric
+        tensors ``policy/clip_frac``, ``policy/ratio_mean``, ``policy/entropy``, ``rollout/*`` and, whenever the
+        batch has reference log-probs, ``policy/kl``."""
         from palestra.rl.losses import clipped_surrogate
 
         per_token, m = clipped_surrogate(
-            scores.logprobs, batch.behaviour_logprobs, batch.advantages, batch.completion_mask, clip_low, clip_high
+            scores.logprobs, self.proximal_logprobs(scores, batch), batch.advantages, batch.completion_mask,
+            clip_low, clip_high,
         )
         metrics = {"policy/clip_frac": m["clip_frac"], "policy/ratio_mean": m["ratio_mean"]}
         per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics, kl_coef=kl_coef, kl_estimator=kl_estimator)
@@ -602,10 +653,15 @@ class Algorithm:
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
     ) -> torch.Tensor:
-        """``per_token - entropy_coef * entropy + kl_coef * KL``; adds the entropy and KL metrics."""
+        """``w * per_token - entropy_coef * entropy + kl_coef * KL``, ``w`` the rollout-correction weights
+        (:meth:`rollout_terms`; 1 with the correction off); adds the rollout, entropy and KL metrics.
+
+        ``per_token`` is the policy-gradient term alone: every loss calls this last, so that each gets the
+        correction (the entropy bonus and the KL term are not reweighted)."""
         from palestra.rl.kl import kl_divergence
 
         mask = batch.completion_mask
+        per_token = self.rollout_terms(per_token, scores, batch, metrics)
         if scores.entropy is not None:
             if self.options.entropy_coef > 0:
                 per_token = per_token - self.options.entropy_coef * scores.entropy
@@ -618,6 +674,88 @@ class Algorithm:
         elif kl_coef > 0:
             raise ValueError(f"{self.name}: the KL term needs batch.ref_logprobs; run prepare() with a reference policy")
         return per_token
+
+    # ---- rollout correction ------------------------------------------------------------------------------
+    def proximal_logprobs(self, scores: Any, batch: Experience) -> torch.Tensor:
+        """The log-probs a policy ratio is taken against: the behaviour log-probs, or, with
+        ``rollout_correction`` on, the learner's own before the update (the proximal policy). Those are
+        ``batch.old_logprobs`` when the update set them (several passes), else this forward's, detached: in
+        the only pass no optimiser step has happened yet, so they are exactly the pre-update values."""
+        if not self.options.rollout_correction.enabled:
+            return batch.behaviour_logprobs
+        if batch.old_logprobs is not None:
+            return batch.old_logprobs
+        return scores.logprobs.detach()
+
+    def rollout_terms(self, per_token: torch.Tensor, scores: Any, batch: Experience, metrics: dict[str, Any]) -> torch.Tensor:
+        """``per_token`` times the rollout-correction weights (unchanged with the correction off), and the
+        ``rollout/*`` metrics (:func:`palestra.rl.rollout_correction.rollout_mismatch`), whatever the option.
+
+        :meth:`add_entropy_and_kl` calls this; a loss that does not use it calls this on its policy-gradient term."""
+        from palestra.rl.rollout_correction import rollout_mismatch
+
+        learner = batch.old_logprobs if batch.old_logprobs is not None else scores.logprobs
+        weights, m = rollout_mismatch(
+            learner, batch.behaviour_logprobs, batch.completion_mask, self.options.rollout_correction
+        )
+        metrics.update({f"rollout/{k}": v for k, v in m.items()})
+        return per_token if weights is None else per_token * weights
+
+    # ---- diagnostics -----------------------------------------------------------------------------------
+    def entropy_term(self, scores: Any, batch: Experience) -> torch.Tensor:
+        """The entropy bonus's part of the loss, ``-entropy_coef * aggregate(entropy)`` (what
+        :meth:`add_entropy_and_kl` adds per token, aggregated); ``diag/entropy_grad_share`` differentiates it."""
+        return -self.options.entropy_coef * self.aggregate(scores.entropy, batch.completion_mask)
+
+    def group_diagnostics(self, batch: Experience) -> dict[str, float]:
+        """``diag/tied_group_frac``, ``diag/near_tie_group_frac``, ``diag/adv_abs_mean_near_tie`` of the fresh
+        rows (:func:`palestra.rl.stats.group_tie_stats`); nothing when no group has two rows."""
+        from palestra.rl.stats import group_tie_stats
+
+        stats = group_tie_stats(
+            batch.rewards, batch.group_ids, batch.advantages, batch.completion_mask, self.options.diagnostics_tie_std
+        )
+        return {f"diag/{k}": v for k, v in stats.items()}
+
+    def diagnostics_probe(self, policy: Any, micro: Experience, weight: float) -> dict[str, float]:
+        """The costlier diagnostics, on ``micro`` right after its backward as the first micro-batch of a pass
+        (so the gradients hold its gradient alone):
+
+        * ``diag/entropy_grad_share``: ``||grad of the entropy term|| / ||grad of the whole loss||`` over the
+          policy's parameters, on this micro-batch: one more forward and backward of it (the loss's graph is gone),
+          its gradients kept apart and the loss's put back. 0 without an entropy bonus (nothing is computed);
+          left out when the loss's gradient is 0 or not finite;
+        * ``diag/logit_norm`` and ``diag/hidden_norm``: the mean L2 norm of the logits (before the temperature)
+          and of the final hidden states at the valid completion positions, from one no-grad forward of the
+          trunk (a :class:`~palestra.models.policy.CausalLMPolicy` only; logits in chunks of 256 positions).
+
+        Nothing under FSDP (sharded gradients; the extra forwards would be collectives).
+        """
+        import torch
+
+        from palestra.models.policy import CausalLMPolicy
+
+        if self.context.fsdp:  # sharded gradients and gathered forwards: not worth the collectives
+            return {}
+        out: dict[str, float] = {}
+        if self.options.entropy_coef == 0:
+            out["diag/entropy_grad_share"] = 0.0
+        else:
+            params = self.policy_params
+            total = _grad_norm(params)
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            scores = self.score(policy, micro)
+            self.precision.backward(self.entropy_term(scores, micro) * weight)  # scaled like the loss: the scale cancels
+            entropy = _grad_norm(params)
+            for p, g in zip(params, kept):
+                p.grad = g
+            if total > 0 and math.isfinite(total) and math.isfinite(entropy):
+                out["diag/entropy_grad_share"] = entropy / total
+        if isinstance(policy, CausalLMPolicy):
+            out.update(_logit_norms(policy, micro, self.autocast()))
+        return out
 
     @staticmethod
     def floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
@@ -723,6 +861,42 @@ class Algorithm:
                 with torch.no_grad():
                     for m, s in zip(self.master.master, saved):
                         m.copy_(s)
+
+
+MAX_METRICS = frozenset({"rollout/logp_gap_max"})  # combined over micro-batches by their maximum
+
+
+def _grad_norm(params: Sequence[Any]) -> float:
+    """The L2 norm of the gradients of ``params`` (those that have one), in float64."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.detach().double().square().sum().cpu()
+    return float(total.sqrt())
+
+
+def _logit_norms(policy: Any, batch: Experience, autocast: Any) -> dict[str, float]:
+    """Mean L2 norms of the final hidden states and of the logits at ``batch``'s valid completion positions,
+    by one no-grad forward of ``policy.trunk`` (the positions :meth:`CausalLMPolicy.score` scores)."""
+    import torch
+
+    p, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    n = int(batch.completion_mask.sum())
+    if n == 0:
+        return {}
+    with torch.no_grad(), autocast:
+        hidden, _ = policy.trunk(
+            torch.cat([batch.prompt_ids, batch.completion_ids], dim=1), mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
+        )
+        states = hidden[:, p - 1 : p + t - 1][batch.completion_mask]  # [n, H]
+        hidden_sum = torch.linalg.vector_norm(states.float(), dim=-1).double().sum()
+        logit_sum = torch.zeros((), dtype=torch.float64, device=states.device)
+        for chunk in states.split(256):  # never all positions' [n, V] logits at once
+            logit_sum += torch.linalg.vector_norm(policy.logits(chunk).float(), dim=-1).double().sum()
+    return {"diag/hidden_norm": float(hidden_sum) / n, "diag/logit_norm": float(logit_sum) / n}
 
 
 def agent_rows(model: Any, agent_ids: Sequence[Any]) -> dict[str, Any]:

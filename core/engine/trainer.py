@@ -46,7 +46,7 @@ from palestra.multiagent.credit import credit_rewards
 from palestra.multiagent.sharing import wrap_policy
 from palestra.plugin_manager import get_plugin_manager
 from palestra.scale.distributed import DistributedContext
-from palestra.types import Experience, SamplingParams, Stateful
+from palestra.types import AdapterPolicy, Experience, HeldOutSplit, SamplingParams, Stateful
 
 __all__ = ["EvalResult", "Interrupted", "TrainResult", "Trainer", "TrainingAborted", "derive_seed"]
 
@@ -114,7 +114,9 @@ class Trainer:
 
         # Cheap components first, so a bad environment or reward stops the run before a model is loaded.
         self.env = build_component("environment", config.environment, path="environment")
-        self.eval_env = build_component("environment", config.environment, path="environment")
+        # A data set's own held-out split when it keeps one; else a second instance (evaluated on held-out seeds).
+        self.eval_env = (self.env.held_out() if isinstance(self.env, HeldOutSplit)
+                         else build_component("environment", config.environment, path="environment"))
         self.reward = build_component("reward", config.reward, path="reward")
         # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
         specs = config.loggers if self.dist.is_main else []
@@ -127,8 +129,15 @@ class Trainer:
         # multi-agent (issue 6): per-agent views sharing agents.shared_layers; unchanged when config.agents is None
         self.policy = wrap_policy(self.policy, config.agents, self.env, self.algorithm)
         self.reference = None
+        if isinstance(self.policy, AdapterPolicy) and self.dist.fsdp:
+            from palestra.config import ConfigError
+
+            raise ConfigError("distributed.strategy: fsdp is not supported for a policy that trains adapters (LoRA, "
+                              f"policy {config.policy.name!r}); use ddp: only the adapters' gradients are averaged")
         if self.algorithm.needs_reference:
-            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            # LoRA: the frozen base (the policy with its adapters disabled) is the reference; no second copy
+            self.reference = (self.policy.base_reference() if isinstance(self.policy, AdapterPolicy)
+                              else copy.deepcopy(self.policy).eval().requires_grad_(False))
         self.dist.shard(self.policy)  # FSDP2 (distributed.strategy=fsdp); a no-op otherwise
         # Everything the optimiser needs from the run, handed over explicitly: device, ranks, precision, gradient
         # averaging, the config.
@@ -171,6 +180,7 @@ class Trainer:
         agent_scores, agent_metrics = None, {}
         if self.config.agents is not None:
             agent_scores, agent_metrics = credit_rewards(self.reward, ro, self.env.agent_ids, self.config.agents.credit, scored)
+        reward_s = time.perf_counter() - started - gen_s
         batch = ro.experience(scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id,
                               agent_scores=agent_scores)
         mean = global_mean
@@ -187,6 +197,8 @@ class Trainer:
             **{f"curriculum/{k}": v for k, v in scored.metrics.items()},
             "response/length": generated / max(1, batch.batch_size),
             "perf/gen_tokens_per_s": generated / max(gen_s, 1e-9),
+            "perf/generate_s": gen_s,  # the rollout: environment calls and sampling
+            "perf/reward_s": reward_s,
             **agent_metrics,
         }
         best = self.reward.max_score
@@ -243,12 +255,19 @@ class Trainer:
         self.hooks.on_rollout_end(trainer=self, step=step, batch=batch)
         self.policy.train()
         with self.watchdog.phase("update"):
-            batch = self.algorithm.prepare(batch.validate())
+            scoring = time.perf_counter()
+            batch = self.algorithm.prepare(batch.validate())  # reference log-probs, advantages
+            updating = time.perf_counter()
             metrics.update(self.algorithm.update(self.policy, batch))
+            metrics["perf/score_s"] = updating - scoring
+            metrics["perf/update_s"] = time.perf_counter() - updating  # forwards, backwards, optimiser steps
         if metrics.get("train/skipped", 0.0):
             return self._skip(step, "the loss or the gradient norm is not finite", metrics, started, updated=True)
         self.bad_steps = 0
         elapsed = time.perf_counter() - started
+        # The parts are disjoint intervals inside the step, so the overhead (hooks, building the batch) is the rest.
+        parts = ("perf/generate_s", "perf/reward_s", "perf/score_s", "perf/update_s")
+        metrics["perf/overhead_s"] = max(0.0, elapsed - sum(metrics[k] for k in parts))
         metrics["perf/step_s"] = elapsed
         metrics["perf/tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics = self.dist.all_reduce_mean(metrics)
@@ -268,8 +287,13 @@ class Trainer:
                 f"train.max_bad_steps: {self.bad_steps} steps in a row were skipped (non-finite reward, loss or "
                 f"gradient); the last, step {step + 1}: {why}"
             )
-        metrics = {**{k: v for k, v in metrics.items() if isinstance(v, float)}, "train/skipped": 1.0,
-                   "perf/step_s": time.perf_counter() - started}
+        elapsed = time.perf_counter() - started
+        metrics = {**{k: v for k, v in metrics.items() if isinstance(v, float)}, "train/skipped": 1.0}
+        # A phase the step never reached took no time: the parts still sum to the step time.
+        parts = ("perf/generate_s", "perf/reward_s", "perf/score_s", "perf/update_s")
+        metrics.update({k: metrics.get(k, 0.0) for k in parts})
+        metrics["perf/overhead_s"] = max(0.0, elapsed - sum(metrics[k] for k in parts))
+        metrics["perf/step_s"] = elapsed
         metrics = self.dist.all_reduce_mean(metrics) if updated else metrics
         self.step += 1
         return metrics
@@ -373,7 +397,10 @@ class Trainer:
         the complete state is meaningful on rank 0.
         """
         algorithm = self.algorithm.state_dict()  # collective under FSDP: the full optimiser states
-        if self.dist.fsdp:
+        adapters = isinstance(self.policy, AdapterPolicy)
+        if adapters:  # LoRA: the trainable tensors only; resume rebuilds the frozen base from its model files
+            policy = self.policy.adapter_state_dict()
+        elif self.dist.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             policy = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -384,6 +411,7 @@ class Trainer:
             "run_id": self.run_id,
             "step": self.step,
             "policy": policy,
+            "policy_adapters": adapters,  # "policy" holds only the adapters (and value head) of a LoRA policy
             "optimizer": algorithm,
             "reward": self.reward.state_dict(),
             "reward_ema": self.reward_ema,
@@ -427,6 +455,7 @@ class Trainer:
 
     def load_state(self, state: Mapping[str, Any], *, source: str | Path = "(state)") -> None:
         """Restore a state already loaded with :func:`palestra.engine.checkpoint.load_checkpoint` from ``source``."""
+        self._check_policy_kind(bool(state.get("policy_adapters", False)), source)
         try:
             self._load_policy(state["policy"])
         except (RuntimeError, KeyError, ValueError) as e:  # torch reports a mismatch as a page of size mismatches
@@ -455,8 +484,18 @@ class Trainer:
                           "random states start fresh", stacklevel=2)
         self.hooks.on_checkpoint_load(trainer=self, step=self.step, state=state)
 
+    def _check_policy_kind(self, saved_adapters: bool, source: str | Path) -> None:
+        """One line when the checkpoint holds adapters only and the policy trains every weight, or the other way."""
+        live_adapters = isinstance(self.policy, AdapterPolicy)
+        if saved_adapters != live_adapters:
+            saved, live = ("only LoRA adapters", "trains every weight") if saved_adapters else ("every weight", "trains LoRA adapters")
+            raise ckpt.CheckpointError(f"checkpoint {source} holds {saved} but the policy built from its config "
+                                       f"(policy {self.config.policy.name!r}, policy.options.lora) {live}")
+
     def _load_policy(self, weights: Mapping[str, Any]) -> None:
-        if self.dist.fsdp:
+        if isinstance(self.policy, AdapterPolicy):  # the frozen base was loaded from its files when the policy was built
+            self.policy.load_adapter_state_dict(weights)
+        elif self.dist.fsdp:
             from palestra.scale.distributed import load_full_state_dict
 
             load_full_state_dict(self.policy, weights)
@@ -467,7 +506,8 @@ class Trainer:
         """One line naming the first parameter whose name or shape differs between the checkpoint and the policy its
         config built; None when they agree."""
         where = f"checkpoint {source} does not fit the policy built from its config (policy {self.config.policy.name!r}, policy.options)"
-        live = self.policy.state_dict()  # FSDP: DTensors, whose shapes are the full ones
+        # FSDP: DTensors, whose shapes are the full ones; LoRA: the adapters, all a checkpoint holds
+        live = self.policy.adapter_state_dict() if isinstance(self.policy, AdapterPolicy) else self.policy.state_dict()
         for name, value in live.items():
             if not isinstance(value, torch.Tensor):
                 continue

@@ -1,6 +1,7 @@
 """The RL math every algorithm shares, written once and tested once against float64 formulas.
 
-* :mod:`.losses`: the clipped surrogate, the (clipped, optionally Huber) value loss, loss aggregation;
+* :mod:`.losses`: the clipped surrogate (with DAPO's clip-higher), GSPO's sequence-level surrogate, CISPO's
+  clipped-weight policy gradient, the (clipped, optionally Huber) value loss, loss aggregation;
 * :mod:`.kl`: Schulman's k1/k2/k3 KL estimators;
 * :mod:`.returns`: sequence rewards on the last token, KL-shaped token rewards, group structure;
 * :mod:`.stats`: masked means (how metrics are reported) and explained variance;
@@ -23,7 +24,9 @@ from palestra.rl.names import KL_ESTIMATORS, LOSS_AGGREGATIONS, KLEstimator, Los
 _LAZY = {
     "kl_divergence": "palestra.rl.kl",
     "aggregate": "palestra.rl.losses",
+    "cispo_surrogate": "palestra.rl.losses",
     "clipped_surrogate": "palestra.rl.losses",
+    "gspo_surrogate": "palestra.rl.losses",
     "value_loss": "palestra.rl.losses",
     "group_size_of": "palestra.rl.returns",
     "kl_shaped_rewards": "palestra.rl.returns",
@@ -31,7 +34,10 @@ _LAZY = {
     "LR_SCHEDULES": "palestra.rl.schedules",
     "lr_factor": "palestra.rl.schedules",
     "explained_variance": "palestra.rl.stats",
+    "group_tie_stats": "palestra.rl.stats",
     "masked_mean": "palestra.rl.stats",
+    "RolloutCorrectionOptions": "palestra.rl.rollout_correction",
+    "rollout_mismatch": "palestra.rl.rollout_correction",
 }
 
 __all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "KLEstimator", "LossAgg", *_LAZY]

@@ -7,7 +7,7 @@ from typing import Literal
 
 __all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "KLEstimator", "LossAgg"]
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS = ("k1", "k2", "k3")

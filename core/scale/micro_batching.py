@@ -146,6 +146,7 @@ def trim_padding(batch: Experience) -> Experience:
         completion_ids=batch.completion_ids[:, :keep_t],
         completion_mask=batch.completion_mask[:, :keep_t],
         behaviour_logprobs=tok(batch.behaviour_logprobs),  # type: ignore[arg-type]
+        old_logprobs=tok(batch.old_logprobs),
         rewards=batch.rewards,
         advantages=tok(batch.advantages),  # type: ignore[arg-type]
         group_ids=batch.group_ids,

@@ -46,6 +46,17 @@ def check_actions(env: str, actions: Sequence[str | None], live: Sequence[bool])
             raise ValueError(f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}")
 
 
+def single_turn_step(
+    env: str, actions: Sequence[str | None], live: Sequence[bool], agent_id: str, expected: Sequence[str]
+) -> StepResult:
+    """The one step of a single-turn question-and-answer environment: every row ends, and each live row's info
+    gives ``agent_id`` the expected answer (``expected[i]``). The caller marks its rows finished."""
+    check_actions(env, actions, live)
+    info = [{agent_id: {"expected": answer}} if running else {} for running, answer in zip(live, expected)]
+    n = len(live)
+    return StepResult(observations=[None] * n, done=[True] * n, info=info)
+
+
 def step_rows(
     env: str,
     rows: Sequence[AnyRow],

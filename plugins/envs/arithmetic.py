@@ -16,7 +16,7 @@ from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
 from palestra.types import Message, Observation, StepResult
 
-from palestra.plugins.envs._episodes import check_actions, draw_tasks
+from palestra.plugins.envs._episodes import draw_tasks, single_turn_step
 
 Operation = Literal["+", "-", "*"]
 
@@ -101,14 +101,10 @@ class ArithmeticEnv:
         return [self.observation(t) for t in self._tasks]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
-        check_actions("arithmetic", actions, self._live)
-        info: list[dict[str, dict[str, Any]]] = [{} for _ in self._tasks]
-        for i, running in enumerate(self._live):
-            if running:
-                info[i] = {self.options.agent_id: {"expected": str(self._tasks[i].answer)}}
+        expected = [str(t.answer) for t in self._tasks]
+        result = single_turn_step("arithmetic", actions, self._live, self.options.agent_id, expected)
         self._live = [False] * len(self._tasks)
-        n = len(self._tasks)
-        return StepResult(observations=[None] * n, done=[True] * n, info=info)
+        return result
 
 
 @hookimpl

@@ -59,6 +59,7 @@ from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
+from palestra.registry import Requires
 from palestra.types import Message, Observation, StepResult
 
 from palestra.plugins.envs._episodes import draw_tasks, step_rows
@@ -569,7 +570,7 @@ class GameOutcomeReward:
 def register_environments(register: Any) -> None:
     register(
         "textarena",
-        TextArenaEnv,
+        Requires(TextArenaEnv, module="textarena", install=INSTALL_HINT),
         options=TextArenaOptions,
         description=f"textarena's text games (TicTacToe-v0, IteratedRockPaperScissors-v0, ...), one agent per player ({INSTALL_HINT})",
     )

@@ -10,6 +10,8 @@ Defaults follow TRL's ``GRPOConfig``: ``beta=0`` (no reference model), ``clip_ep
 ``scale="group"``, and token-level aggregation over the whole batch (TRL's default ``"dapo"``; ours is
 ``loss_agg="token_mean"``). ``dr_grpo`` is the same algorithm with ``scale="none"`` and
 ``loss_agg="seq_mean_token_sum_norm"`` (each row's token sum divided by ``train.max_new_tokens``).
+
+DAPO, GSPO and CISPO build on :class:`GRPO` (its advantages, a different loss): ``grpo_family.py`` next to this file.
 """
 
 from __future__ import annotations

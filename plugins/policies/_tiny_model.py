@@ -11,6 +11,7 @@ grown by concatenation every step.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -258,6 +259,72 @@ class TinyTransformerPolicy(CausalLMPolicy):
             self._rope_tables[position_ids.device] = table
         cos, sin = table
         return cos[position_ids][:, None].to(dtype), sin[position_ids][:, None].to(dtype)
+
+    # ---- export -----------------------------------------------------------------------------------------
+    def llama_config(self) -> Any:
+        """The ``transformers.LlamaConfig`` whose model computes exactly this policy (see :meth:`to_transformers`)."""
+        from transformers import LlamaConfig
+
+        o, tok = self.options, self.tokenizer
+        return LlamaConfig(
+            vocab_size=len(tok), hidden_size=o.d_model, intermediate_size=o.d_ff, num_hidden_layers=o.n_layers,
+            num_attention_heads=o.n_heads, num_key_value_heads=o.n_heads, head_dim=o.d_model // o.n_heads,
+            hidden_act="silu", max_position_embeddings=o.max_len, rms_norm_eps=self.norm.eps,
+            rope_theta=o.rope_base, attention_bias=False, mlp_bias=False,  # transformers 5 files it in rope_parameters
+            attention_dropout=0.0, tie_word_embeddings=o.tie_embeddings, initializer_range=o.init_std,
+            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        )
+
+    def llama_state_dict(self) -> dict[str, torch.Tensor]:
+        """This policy's weights under ``LlamaForCausalLM``'s names (the value head, if any, has no place there).
+
+        The architectures agree piece by piece: pre-norm blocks with RMSNorm (eps 1e-6, weight only); attention
+        without biases whose fused ``qkv`` rows are the q, k and v projections in that order (heads laid out the
+        same way, ``view(..., heads, head_dim)``), RoPE rotating the pairs ``(i, i + head_dim / 2)`` as Llama's
+        ``rotate_half`` does, ``1 / sqrt(head_dim)`` scaling; a SwiGLU MLP whose fused ``gate_up`` rows are
+        ``gate_proj`` then ``up_proj``; a final RMSNorm; a bias-free head, tied or not.
+        """
+        out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.weight}
+        for i, block in enumerate(self.blocks):
+            at = f"model.layers.{i}"
+            q, k, v = block.attn.qkv.weight.chunk(3, dim=0)
+            gate, up = block.mlp.gate_up.weight.chunk(2, dim=0)
+            out.update({
+                f"{at}.input_layernorm.weight": block.attn_norm.weight,
+                f"{at}.self_attn.q_proj.weight": q,
+                f"{at}.self_attn.k_proj.weight": k,
+                f"{at}.self_attn.v_proj.weight": v,
+                f"{at}.self_attn.o_proj.weight": block.attn.out.weight,
+                f"{at}.post_attention_layernorm.weight": block.mlp_norm.weight,
+                f"{at}.mlp.gate_proj.weight": gate,
+                f"{at}.mlp.up_proj.weight": up,
+                f"{at}.mlp.down_proj.weight": block.mlp.down.weight,
+            })
+        out["model.norm.weight"] = self.norm.weight
+        out["lm_head.weight"] = self.lm_head.weight  # the embedding itself when tied: Llama ties it the same way
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in out.items()}
+
+    def to_transformers(self) -> Any:
+        """A ``transformers.LlamaForCausalLM`` (eval mode, on the CPU, in the policy's dtype) with these weights: its
+        logits equal the policy's up to float rounding (RoPE angles: float64 here, float32 in transformers)."""
+        from transformers import LlamaForCausalLM
+
+        dtype = self.embed.weight.dtype
+        # Building the model draws its random init from torch's global generator: fork it, so exporting at the
+        # end of a run changes nothing the run's random streams would see.
+        with torch.random.fork_rng(devices=[]):
+            model = LlamaForCausalLM(self.llama_config())
+        model.load_state_dict(self.llama_state_dict(), strict=True)
+        return model.to(dtype).eval()
+
+    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
+        """Write the policy as a transformers folder: a ``LlamaForCausalLM`` (``config.json``, ``model.safetensors``,
+        ``generation_config.json``) and its tokenizer (:meth:`CharTokenizer.to_transformers`), which
+        ``AutoModelForCausalLM.from_pretrained(folder)`` / ``AutoTokenizer.from_pretrained(folder)`` load and
+        ``policy: hf`` trains further. ``merge_lora`` is accepted like every policy's; tiny has no adapters."""
+        del merge_lora  # nothing to merge: every weight is a plain tensor
+        self.to_transformers().save_pretrained(folder)
+        self.tokenizer.to_transformers(model_max_length=self.options.max_len).save_pretrained(folder)
 
     def extra_repr(self) -> str:
         return f"vocab={len(self.tokenizer)}, params={sum(p.numel() for p in self.parameters())}"

@@ -129,6 +129,41 @@ class CharTokenizer:
     def from_dict(cls, data: Mapping[str, Any]) -> CharTokenizer:
         return cls(alphabet=data["alphabet"], atoms=list(data.get("atoms", ())), unknown=data.get("unknown", "unk"))
 
+    def to_transformers(self, *, model_max_length: int) -> Any:
+        """The same tokenizer as a transformers ``PreTrainedTokenizerFast`` (built on the ``tokenizers`` library), so
+        that an exported tiny policy loads with ``AutoTokenizer.from_pretrained`` and encodes text to the same ids.
+
+        The pieces, each chosen to reproduce :meth:`encode`: a word-level vocabulary holding every token at the
+        same id; the atoms as added tokens, which ``tokenizers`` matches before anything else, leftmost and longest
+        first (what :meth:`encode` does at each position); a pre-tokenizer that isolates every code point, so each
+        character is looked up alone; unknown characters become ``<unk>``, or (``unknown="drop"``) are deleted by a
+        normalizer first. Encoding with special tokens puts ``<bos>`` in front, as the policy does with prompts.
+
+        Two differences remain, both inherent to transformers tokenizers: text that literally contains a special
+        token's name (``<bos>``) encodes to that token, and ``decode(..., skip_special_tokens=True)`` drops
+        ``<unk>`` where :meth:`decode` shows U+FFFD.
+        """
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(self.vocab)}, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        if self.unknown == "drop":
+            kept = "".join(f"\\x{{{ord(c):x}}}" for c in self.alphabet)  # code points: no character needs escaping
+            backend.normalizer = normalizers.Replace(Regex(f"[^{kept}]"), "")
+        backend.decoder = decoders.Fuse()  # characters join without separators
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
+        backend.add_tokens([AddedToken(a, normalized=False, special=False) for a in self.atoms])
+        bos = SPECIAL_TOKENS[self.bos_token_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)]
+        )
+        pad, eos, unk = (SPECIAL_TOKENS[i] for i in (self.pad_token_id, self.eos_token_id, self.unk_token_id))
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+            model_max_length=model_max_length,
+        )
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CharTokenizer) and self.to_dict() == other.to_dict()
 

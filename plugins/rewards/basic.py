@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -91,21 +93,112 @@ class CorrectnessOptions:
         _check_tag(self.tag)
 
 
-_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+# A plain number: digits with an optional sign, decimal part and exponent; thousands may be grouped by commas
+# ("1,234,567") but only in threes, so "1,2" (a list, or a European decimal) is not read as twelve.
+_NUMBER = re.compile(r"^[+-]?(\d{1,3}(,\d{3})+|\d+)?(\.\d*)?([eE][+-]?\d+)?$")
+_FRACTION = re.compile(r"^([+-]?)(\d+)/(\d+)$")
+_LATEX_FRACTION = re.compile(r"^([+-]?)\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}$")
+_MAX_EXPONENT = 1000  # numbers beyond 1e+-1000 are not read as numbers (compared as text)
+_WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, nested braces and all; None when there is none
+    or its braces do not close."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i]
+        i += 1
+    return None
+
+
+def clean_answer(text: str) -> str:
+    """The answer with its decoration removed: the last ``\\boxed{...}`` if any, surrounding ``$...$`` (or
+    ``\\(...\\)``, ``\\[...\\]``), a whole-answer ``\\text{...}``, a trailing period, outer whitespace."""
+    text = text.strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        text = boxed.strip()
+    changed = True
+    while changed:  # "$\\boxed{5}$." takes several rounds
+        changed = False
+        for left, right in _WRAPPERS:
+            if len(text) >= len(left) + len(right) and text.startswith(left) and text.endswith(right):
+                text, changed = text[len(left):len(text) - len(right)].strip(), True
+        if text.startswith("\\text{") and text.endswith("}") and text.count("{") == 1:
+            text, changed = text[len("\\text{"):-1].strip(), True
+        if text.endswith(".") and len(text) > 1:
+            text, changed = text[:-1].rstrip(), True
+        inner = last_boxed(text)
+        if inner is not None and text.startswith(("\\boxed{", "\\fbox{")) and text.endswith("}"):
+            text, changed = inner.strip(), True
+    return text
+
+
+def parse_value(text: str) -> Fraction | None:
+    """The exact value of a number written as ``1,234``, ``-0.50``, ``.5``, ``1e3``, ``3/4`` or ``\\frac{3}{4}``
+    (after :func:`clean_answer`); None when the text is not one number. Exact, so ``0.1 + 0.2``-style float error
+    never decides a match."""
+    cleaned = clean_answer(text).replace(" ", "")
+    for pattern in (_FRACTION, _LATEX_FRACTION):
+        m = pattern.match(cleaned)
+        if m:
+            sign, num, den = m.groups()
+            if int(den) == 0:
+                return None
+            value = Fraction(int(num), int(den))
+            return -value if sign == "-" else value
+    if not _NUMBER.match(cleaned) or not any(c.isdigit() for c in cleaned.split("e")[0].split("E")[0]):
+        return None
+    try:
+        number = Decimal(cleaned.replace(",", ""))
+    except InvalidOperation:
+        return None
+    if abs(number.adjusted()) > _MAX_EXPONENT:  # an exact 1e999999999 would take the memory of its digits
+        return None
+    return Fraction(number)
 
 
 def parse_number(text: str) -> float | None:
-    """``" 1,234. "`` -> 1234.0; None when the text is not a plain number."""
-    cleaned = text.strip().replace(",", "").replace(" ", "").rstrip(".")
-    return float(cleaned) if _NUMBER.match(cleaned) else None
+    """``" 1,234. "`` -> 1234.0; None when the text is not a plain number (see :func:`parse_value`)."""
+    value = parse_value(text)
+    return None if value is None else float(value)
 
 
-def _normalise_text(text: str) -> str:
-    return " ".join(text.casefold().split()).rstrip(".!")
+def normalise_text(text: str) -> str:
+    """A text answer for comparison: decoration removed (:func:`clean_answer`), case folded, whitespace collapsed,
+    trailing ``.`` and ``!`` dropped."""
+    return " ".join(clean_answer(text).casefold().split()).rstrip(".!").rstrip()
+
+
+def answers_match(given: str, expected: str, *, mode: Literal["auto", "numeric", "text"] = "auto", tolerance: float = 0.0) -> bool:
+    """Whether ``given`` is the ``expected`` answer: by value when the expected answer is a number (``auto``) or
+    always (``numeric``), else as normalised text. Raises ValueError in ``numeric`` mode when ``expected`` is not a
+    number (the data is wrong, not the completion)."""
+    want = parse_value(expected)
+    if mode == "numeric" and want is None:
+        raise ValueError(f"mode is numeric but the expected answer {expected!r} is not a number")
+    if mode == "numeric" or (mode == "auto" and want is not None):
+        got = parse_value(given)
+        assert want is not None
+        if got is None:
+            return False
+        return got == want if tolerance == 0 else abs(float(got - want)) <= tolerance
+    return normalise_text(given) == normalise_text(expected)
 
 
 class CorrectnessReward:
-    """1.0 if the completion's answer equals the expected answer in ``metadata[key]``, else 0.0."""
+    """1.0 if the completion's answer equals the expected answer in ``metadata[key]``, else 0.0 (see
+    :func:`answers_match` for what counts as equal)."""
 
     max_score = 1.0
 
@@ -116,18 +209,10 @@ class CorrectnessReward:
         o = self.options
         if o.key not in meta:
             raise KeyError(f"metadata has no {o.key!r} (the expected answer); it has {sorted(meta)}")
-        expected = str(meta[o.key])
         given = extract_tag(completion, o.tag) if o.tag is not None else completion.strip()
         if given is None:
             return 0.0
-        want_number = parse_number(expected)
-        if o.mode == "numeric" and want_number is None:
-            raise ValueError(f"mode is numeric but the expected answer {expected!r} is not a number")
-        if o.mode == "numeric" or (o.mode == "auto" and want_number is not None):
-            got = parse_number(given)
-            assert want_number is not None
-            return float(got is not None and abs(got - want_number) <= o.tolerance)
-        return float(_normalise_text(given) == _normalise_text(expected))
+        return float(answers_match(given, str(meta[o.key]), mode=o.mode, tolerance=o.tolerance))
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
         return scores([self.score(c, m) for c, m in zip(completions, metadata)])

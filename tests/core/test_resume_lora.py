@@ -1,0 +1,84 @@
+"""Exact resume of a LoRA run: a ``palestra train`` on a tiny local HuggingFace model with LoRA adapters, SIGKILLed
+mid-training and resumed with ``--resume``, ends with the same adapters, optimiser state and metrics, bitwise, as
+one that never stopped; its checkpoints hold only the adapters (the base is rebuilt from the model files).
+The helpers are the full-weight resume test's (tests/core/test_resume.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+import tiny_hf
+from palestra.engine import checkpoint as ckpt
+from test_resume import finish, metric_lines, palestra
+
+STEPS, SAVE_EVERY = 8, 2
+
+
+def raw_config(model_dir: Path) -> dict[str, Any]:
+    # GRPO with a KL term: the reference is the base with the adapters disabled; adapter dropout draws from the
+    # global RNG, which the checkpoint must carry; the length reward gives partial credit, so the adapters move.
+    return {
+        "run": {"name": "r", "seed": 0, "output_dir": "runs"},
+        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"]}},
+        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
+        "policy": {"name": "hf", "options": {"path": str(model_dir), "dtype": "float32",
+                                             "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}},
+        "optimizer": {"name": "grpo", "options": {"beta": 0.05}},
+        "generator": {"name": "kv_cache"},
+        "kernels": {"backend": "torch"},
+        "loggers": [{"name": "jsonl", "options": {"filename": "log.jsonl"}}],
+        "train": {"steps": STEPS, "batch_size": 2, "group_size": 4, "lr": 1e-2, "lr_schedule": "cosine", "max_new_tokens": 6,
+                  "device": "cpu", "eval_size": 2, "save_every": SAVE_EVERY, "keep_checkpoints": 2},
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_mid_training_resumes_to_the_same_adapters_bitwise(tmp_path: Path) -> None:
+    model_dir = tiny_hf.build_qwen2(tmp_path / "model")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw_config(model_dir)))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    whole = palestra(["--config", str(config)], tmp_path / "a")
+    killed = palestra(["--config", str(config)], tmp_path / "b")
+    run_a, run_b = tmp_path / "a" / "runs" / "r", tmp_path / "b" / "runs" / "r"
+    wanted = run_b / "checkpoints" / ckpt.step_name(2 * SAVE_EVERY)
+    deadline = time.monotonic() + 180
+    while not wanted.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (run_b / ckpt.FINAL_NAME).exists(), "the run finished before the kill; nothing was resumed"
+    finish(whole, timeout=180)
+
+    resumed = palestra(["--resume", str(run_b), f"train.steps={STEPS}"], tmp_path / "b")
+    out, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resuming {run_b}" in out
+
+    a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
+    b = ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
+    assert a["step"] == b["step"] == STEPS
+    assert a["policy_adapters"] is b["policy_adapters"] is True
+    # only the adapters: two layers x (q_proj, v_proj) x (A, B), no base weight
+    assert len(a["policy"]) == 8 and all(".lora_A." in k or ".lora_B." in k for k in a["policy"])
+    assert a["policy"].keys() == b["policy"].keys()
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"]), "adapters differ after resume"
+    assert any(k for k in a["policy"] if "lora_B" in k and a["policy"][k].abs().sum() > 0)  # they trained (B starts at 0)
+    opt_a, opt_b = a["optimizer"]["optimizer"]["state"], b["optimizer"]["optimizer"]["state"]
+    assert len(opt_a) == 8 and all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
+    assert metric_lines(run_a) == metric_lines(run_b)
