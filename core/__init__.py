@@ -54,6 +54,7 @@ _LAZY = {
     "GradientCheckpointing": "palestra.types",
     "AdapterPolicy": "palestra.types",
     "HeldOutSplit": "palestra.types",
+    "Exportable": "palestra.types",
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
     "Algorithm": "palestra.engine.learner",

@@ -488,6 +488,14 @@ class GradientCheckpointing(Protocol):
 
 
 @runtime_checkable
+class Exportable(Protocol):
+    """A policy with a transformers form (optional): ``palestra export`` and ``train.export`` write it with
+    ``save_pretrained(folder, merge_lora=...)`` (``merge_lora``: fold LoRA adapters into the weights)."""
+
+    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None: ...
+
+
+@runtime_checkable
 class HeldOutSplit(Protocol):
     """An environment that keeps its own held-out tasks (a data set's evaluation split; optional). The trainer
     evaluates on ``held_out()``, which training never draws from; other environments are evaluated on a second
@@ -536,6 +544,7 @@ class Logger(Protocol):
 
 __all__ = [
     "AdapterPolicy",
+    "Exportable",
     "HeldOutSplit",
     "DEFAULT_AGENT",
     "AgentId",

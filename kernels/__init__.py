@@ -1,4 +1,5 @@
-"""Palestra's fused ops: log-prob gather with entropy, advantage estimators, running reward normalisation.
+"""Palestra's fused ops: log-prob gather with entropy (alone, or fused with the output head), advantage
+estimators, running reward normalisation.
 
 Each op has a plain-torch reference, a C++ CPU kernel, a CUDA kernel and a Triton kernel; the input's
 device picks one (see :mod:`palestra.kernels.dispatch`). Native back ends are built lazily, on first use.
@@ -7,6 +8,7 @@ device picks one (see :mod:`palestra.kernels.dispatch`). Native back ends are bu
 from .dispatch import BACKENDS, forced_backend, set_backend
 from .build import KernelBuildError
 from .logprob_entropy import logprob_entropy
+from .linear_logprob_entropy import linear_logprob_entropy
 from .advantages import discounted_returns, gae, group_advantages, rloo_advantages
 from .reward_norm import RunningMoments, normalize_rewards
 
@@ -17,6 +19,7 @@ __all__ = [
     "discounted_returns",
     "forced_backend",
     "gae",
+    "linear_logprob_entropy",
     "group_advantages",
     "logprob_entropy",
     "normalize_rewards",

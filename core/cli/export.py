@@ -202,16 +202,16 @@ def write_export(policy: Any, out: Path, *, policy_name: str, merge_lora: bool, 
 
 
 def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> None:
-    try:
-        save = policy.save_pretrained
-    except AttributeError:
+    from palestra.types import Exportable
+
+    if not isinstance(policy, Exportable):
         raise ExportError(f"policy {policy_name!r} ({type(policy).__name__}) has no save_pretrained(folder, *, "
-                          "merge_lora): it cannot be exported") from None
+                          "merge_lora): it cannot be exported")
     import torch
 
     try:
         with torch.no_grad(), _quiet_progress_bars():
-            save(folder, merge_lora=merge_lora)
+            policy.save_pretrained(folder, merge_lora=merge_lora)
     except ModuleNotFoundError as e:
         raise ExportError(f"exporting policy {policy_name!r} needs the {e.name} package; "
                           "pip install 'palestra[hf]'") from None

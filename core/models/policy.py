@@ -5,8 +5,12 @@ A policy is a causal language model with a tokenizer. Subclasses supply three th
 then provides, the same way for our own transformer and for a HuggingFace model:
 
 * :meth:`encode_observations`: observations -> left-padded prompt ids and mask;
-* :meth:`score`: log-probs and entropy of completion tokens through :func:`palestra.kernels.logprob_entropy`
-  (fused, never an fp32 ``[B, T, V]`` copy), plus per-token values when a value head is enabled (PPO);
+* :meth:`score`: log-probs and entropy of completion tokens, plus per-token values when a value head is enabled
+  (PPO). When the output head is a plain ``nn.Linear`` and the logits would be large
+  (:data:`FUSED_HEAD_MIN_LOGIT_BYTES`), the head and the log-prob kernel run as one op,
+  :func:`palestra.kernels.linear_logprob_entropy`, over the real completion tokens only: no ``[B, T, V]`` logits
+  are kept for the backward pass, and padding costs nothing. Any other head (a LoRA-wrapped one, say) goes through
+  :meth:`logits` and :func:`palestra.kernels.logprob_entropy` (never an fp32 ``[B, T, V]`` copy);
 * :meth:`decode_step`: one incremental forward with the KV cache, which the samplers
   (:mod:`palestra.models.sampling`) drive.
 
@@ -23,6 +27,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from palestra.types import Observation
+
+
+# score() fuses the output head with the log-prob kernel (palestra.kernels.linear_logprob_entropy) only when the
+# fp32 logits of a call would take at least this much memory: the fused op never keeps them, but on a CPU it is
+# about 0.9x the speed of the unfused path (docs/kernels.md), so small heads (the tiny policy's) stay unfused.
+FUSED_HEAD_MIN_LOGIT_BYTES = 32 * 2**20
 
 
 @runtime_checkable
@@ -159,6 +169,24 @@ class CausalLMPolicy(torch.nn.Module):
         out = head(states)
         return out[..., :n] if out.shape[-1] > n else out
 
+    def fusable_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight, bias)`` of the output head, sliced to the tokenizer's size as :meth:`logits` slices them, when
+        :meth:`score` may run the head fused with the log-prob kernel; ``None`` when it must call the head.
+
+        Fusable: the base :meth:`logits` and a head that is exactly ``torch.nn.Linear`` without forward hooks. A
+        subclass of it, or any other module (peft's LoRA ``Linear``, a quantised layer), has a forward of its own
+        that the fused op would skip, and so has a hook.
+        """
+        head = self.output_head()
+        if type(self).logits is not CausalLMPolicy.logits or type(head) is not torch.nn.Linear:
+            return None
+        if head._forward_hooks or head._forward_pre_hooks:
+            return None
+        n = len(self.tokenizer)
+        if head.out_features > n:
+            return head.weight[:n], None if head.bias is None else head.bias[:n]
+        return head.weight, head.bias
+
     def set_gradient_checkpointing(self, on: bool) -> None:
         """Recompute activations in the backward pass instead of keeping them (``train.gradient_checkpointing``).
 
@@ -198,9 +226,8 @@ class CausalLMPolicy(torch.nn.Module):
         Differentiable with respect to the parameters. ``values`` needs :meth:`enable_value_head` first; the
         value at token ``t`` is the head applied to the state that predicts token ``t``.
         """
-        from palestra.kernels import (
-            logprob_entropy,  # imported here so that listing plugins stays light
-        )
+        # imported here so that listing plugins stays light
+        from palestra.kernels import linear_logprob_entropy, logprob_entropy
 
         p = prompt_ids.shape[1]
         t = completion_ids.shape[1]
@@ -209,9 +236,24 @@ class CausalLMPolicy(torch.nn.Module):
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden, _ = self.trunk(input_ids, mask, position_ids)
         states = hidden[:, p - 1 : p + t - 1]  # the state before each completion token predicts it
-        logits = self.logits(states)
-        tokens = completion_ids.masked_fill(~completion_mask, -100)
-        logp, ent = logprob_entropy(logits, tokens, temperature=temperature, ignore_index=-100)
+        head = self.fusable_head()
+        if head is not None and completion_ids.numel() * head[0].shape[0] * 4 < FUSED_HEAD_MIN_LOGIT_BYTES:
+            head = None  # small logits: the fused op would save little memory and costs one more matmul
+        if head is None:
+            logits = self.logits(states)
+            tokens = completion_ids.masked_fill(~completion_mask, -100)
+            logp, ent = logprob_entropy(logits, tokens, temperature=temperature, ignore_index=-100)
+        else:
+            # Only the real completion tokens' states go through the head; the rest stay 0, as the kernel's
+            # ignored positions would be.
+            keep = completion_mask.bool()
+            weight, bias = head
+            logp_kept, ent_kept = linear_logprob_entropy(
+                states[keep], weight, bias, completion_ids[keep], temperature, entropy
+            )
+            zeros = states.new_zeros(keep.shape, dtype=torch.float32)
+            logp = zeros.masked_scatter(keep, logp_kept)
+            ent = None if ent_kept is None else zeros.masked_scatter(keep, ent_kept)
         out = TokenScores(logprobs=logp, entropy=ent if entropy else None)
         if values:
             if self.value_head is None:
