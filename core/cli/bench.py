@@ -1,8 +1,14 @@
-"""Benchmark the kernels: op x back end x size, with time, peak memory and ratios to baselines.
+"""Benchmark the kernels: op x back end x size, with time, peak memory and ratios to baselines; or, with
+``--e2e``, whole training steps: where each step's time goes.
 
 The cases come from ``bench/cases_*.py`` in a source checkout (each defines ``cases(device, quick)``); every
 baseline (eager torch, TRL's log-softmax helpers, torchrl's vectorised GAE, a verl-style loop) is measured
 in the same run as our back ends, so ratios compare like with like. Results can be written to JSON or CSV.
+
+``--e2e`` builds the trainer from a config (``--config FILE`` and ``key=value`` overrides, as ``palestra train``
+takes them), runs one warm-up step and ``--steps`` measured ones, and splits each step into the trainer's
+``perf/*_s`` metrics: generate (the rollout: environment and sampling), reward, score (reference log-probs and
+advantages), update (forwards, backwards, optimiser steps) and overhead (the rest), which sum to ``perf/step_s``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results to FILE.json or FILE.csv")
     p.add_argument("--bench-dir", default=None, help="the bench/ folder (default: the source checkout's)")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds to spend timing each row (at least 3 calls)")
+    p.add_argument("--e2e", action="store_true",
+                   help="time whole training steps of a config instead of kernels: generate, reward, score, update, overhead")
+    p.add_argument("--config", default=None, metavar="FILE", help="with --e2e: the config to train (default: the built-in task)")
+    p.add_argument("--steps", type=int, default=5, help="with --e2e: measured steps, after one warm-up step (default 5)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="with --e2e: dotted config overrides such as train.max_new_tokens=32")
 
 
 def find_bench_dir(explicit: str | None) -> Path:
@@ -188,6 +199,11 @@ def write_results(rows: list[dict], out: str, meta: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.e2e:
+        return run_e2e(args)
+    for flag, given in (("--config", args.config is not None), ("--steps", args.steps != 5), ("key=value", bool(args.overrides))):
+        if given:
+            raise UsageError(f"{flag}: only with --e2e (the kernel benchmark takes --ops, --quick and --min-time)")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,3 +240,87 @@ def _cpu_name() -> str:
             return f"{m.group(1)} x{os.cpu_count()}" if m else "cpu"
     except OSError:
         return "cpu"
+
+
+# ---- whole training steps (--e2e) -----------------------------------------------------------------------
+STEP_PARTS = ("generate", "reward", "score", "update", "overhead")
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from palestra.config import load_config
+    from palestra.engine.trainer import Trainer
+
+    for flag, given in (("--ops", bool(args.ops)), ("--quick", args.quick), ("--bench-dir", args.bench_dir is not None)):
+        if given:
+            raise UsageError(f"{flag}: only for the kernel benchmark, not with --e2e")
+    if args.steps < 1:
+        raise UsageError(f"--steps: expected at least 1 measured step, got {args.steps}")
+    if args.out and Path(args.out).suffix not in (".json", ".csv"):
+        raise UsageError(f"--out: {args.out!r} must end in .json or .csv")
+    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
+    config = load_config(args.config, overrides)
+    t = config.train
+    print(f"palestra bench --e2e: {config.policy.name} policy on {config.environment.name}, {t.batch_size} tasks x "
+          f"{t.group_size} completions, max {t.max_new_tokens} new tokens, {config.optimizer.name}; 1 warm-up + "
+          f"{args.steps} steps ({torch.get_num_threads()} threads)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="palestra-bench-") as run_dir:
+        trainer = Trainer(config, run_dir=run_dir)
+        trainer.train_step()  # the warm-up: lazy kernel builds, first allocations
+        history = [trainer.train_step() for _ in range(args.steps)]
+        device = str(trainer.device)
+    rows = step_rows(history, t.batch_size * t.group_size)
+    print(format_step_table(rows))
+    if args.out:
+        meta = {"config": args.config or "(built-in)", "overrides": overrides, "steps": args.steps,
+                "device": device if device != "cpu" else _cpu_name(), "threads": torch.get_num_threads(),
+                "torch": torch.__version__}
+        write_step_results(rows, history, args.out, meta)
+        print(f"results written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def step_rows(history: list[dict[str, float]], completions: int) -> list[dict]:
+    """One row per part of the step (and the whole step): median and mean seconds, and the part's share of the mean
+    step (means add up, medians need not). Then completions/s and tokens/s at the median step time."""
+    steps = [m["perf/step_s"] for m in history]
+    mean_step = statistics.fmean(steps)
+    rows = []
+    for part in (*STEP_PARTS, "step"):
+        values = [m.get(f"perf/{part}_s", 0.0) for m in history]
+        mean = statistics.fmean(values)
+        rows.append({"part": part, "median_s": statistics.median(values), "mean_s": mean,
+                     "share": mean / mean_step if mean_step > 0 else math.nan})
+    median_step = statistics.median(steps)
+    tokens = statistics.fmean(m["response/length"] for m in history) * completions
+    rows.append({"part": "completions/s", "value": completions / median_step})
+    rows.append({"part": "tokens/s", "value": tokens / median_step})
+    return rows
+
+
+def format_step_table(rows: list[dict]) -> str:
+    head = f"{'part':<14} {'median':>10} {'mean':>10} {'share':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "value" in r:
+            lines.append(f"{r['part']:<14} {r['value']:>10.1f}")
+        else:
+            lines.append(f"{r['part']:<14} {_fmt_time(r['median_s']):>10} {_fmt_time(r['mean_s']):>10} {r['share']:>7.1%}")
+    return "\n".join(lines)
+
+
+def write_step_results(rows: list[dict], history: list[dict[str, float]], out: str, meta: dict) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".json":
+        steps = [{k: v for k, v in m.items() if k.startswith("perf/") or k == "response/length"} for m in history]
+        path.write_text(json.dumps({"meta": meta, "rows": rows, "steps": steps}, indent=2))
+    else:
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["part", "median_s", "mean_s", "share", "value"])
+            for r in rows:
+                w.writerow([r["part"], r.get("median_s", ""), r.get("mean_s", ""), r.get("share", ""), r.get("value", "")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
@@ -227,6 +229,64 @@ def test_pick_tokens_never_draws_outside_the_nucleus():
     token, _ = pick_tokens(logits, 1.0, 1.0, seeded(0))
     counts = torch.bincount(token, minlength=5).double() / 4000
     assert counts[4] == 0 and (counts[:4] - torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.double)).abs().max() < 0.04
+
+
+def test_id_order_draws_of_large_vocabularies_follow_the_tempered_softmax_and_skip_impossible_tokens():
+    # top_p == 1 with more than SORTED_DRAW_MAX_VOCAB tokens draws by inverse-CDF in id order: tokens of probability
+    # 0 sit before, between and after the possible ones (in other blocks and the same block), and the
+    # temperature reshapes the distribution.
+    from palestra.models.sampling import SORTED_DRAW_MAX_VOCAB
+
+    row = torch.full((SORTED_DRAW_MAX_VOCAB + 344,), -math.inf)
+    row[[3, 250, 257, 599]] = torch.tensor([1.0, 0.0, 2.0, -1.0])
+    logits = row.repeat(20000, 1)
+    for temperature in (1.0, 0.5, 2.0):
+        token, logp = pick_tokens(logits, temperature, 1.0, seeded(3))
+        expected = torch.softmax(row / temperature, -1).double()
+        freq = torch.bincount(token, minlength=len(row)).double() / len(token)
+        assert freq[expected == 0].sum() == 0
+        assert (freq - expected).abs().max() < 0.015, (temperature, freq[freq > 0], expected[expected > 0])  # > 4 s.e.
+        torch.testing.assert_close(logp, torch.log_softmax(logits / temperature, -1).gather(-1, token[:, None]).squeeze(-1))
+
+
+@pytest.mark.parametrize("vocab", [8, 3000])  # one block, and many blocks (some without any mass)
+def test_draws_in_id_order_pick_the_id_where_the_running_mass_passes_u_and_never_an_impossible_one(vocab):
+    from palestra.models.sampling import _draw_in_id_order
+
+    probs = torch.zeros(vocab)
+    ids = [1, 3, 6] if vocab == 8 else [5, 700, 701, 2900]  # impossible ids before, between and after
+    probs[ids] = torch.tensor([0.2, 0.5, 0.3] if vocab == 8 else [0.1, 0.4, 0.2, 0.3])
+    rows = probs.repeat(4, 1)
+    edges = torch.tensor([[0.0], [0.3], [0.75], [1.0]])  # u = 1 lands on the total itself: the last possible id
+    drawn = _draw_in_id_order(rows, edges).squeeze(-1).tolist()
+    assert drawn == ([1, 3, 6, 6] if vocab == 8 else [5, 700, 2900, 2900])
+    u = torch.rand((20000, 1), generator=seeded(4))
+    freq = torch.bincount(_draw_in_id_order(probs.repeat(20000, 1), u).squeeze(-1), minlength=vocab).double() / 20000
+    assert freq[probs == 0].sum() == 0 and (freq - probs.double()).abs().max() < 0.015
+
+
+def test_stop_strings_decode_each_token_id_alone_at_most_once(policy):
+    class Counting:
+        """The policy's tokenizer, counting decode calls by length (a stand-in only for the count)."""
+
+        def __init__(self, tok):
+            self.tok, self.calls = tok, 0
+            self.pad_token_id, self.eos_token_id = tok.pad_token_id, tok.eos_token_id
+
+        def decode(self, ids):
+            self.calls += 1
+            return self.tok.decode(ids)
+
+    from palestra.models.sampling import _StopStrings
+
+    counting = Counting(policy.tokenizer)
+    watch = _StopStrings(counting, [["zz"], ["zz"], ["zz"]])
+    a, b = policy.tokenizer.encode("12")
+    for step in range(10):
+        assert watch.update([(a, b)[step % 2]] * 3, [False] * 3) == []
+    # each of the two token ids decoded alone once (its text length), then one tail per row and step (the tails of
+    # single-character tokens are long enough at once); decoding the new token alone per row and step would be 60
+    assert counting.calls == 2 + 3 * 10
 
 
 def test_bad_inputs_are_one_line_errors_naming_the_culprit(policy):
