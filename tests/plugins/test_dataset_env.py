@@ -239,5 +239,6 @@ def test_the_example_data_file_is_what_its_script_writes() -> None:
     import runpy
 
     script = runpy.run_path(str(REPO / "examples" / "data" / "make_sums.py"))
-    written = [json.loads(line) for line in (REPO / "examples" / "data" / "sums.jsonl").read_text().splitlines()]
-    assert written == script["rows"]()
+    for name, made in (("sums.jsonl", script["rows"]), ("sums_chat.jsonl", script["chat_rows"])):
+        written = [json.loads(line) for line in (REPO / "examples" / "data" / name).read_text().splitlines()]
+        assert written == made(), name

@@ -1,0 +1,67 @@
+"""Learning that holds across seeds (issue #15): the median of seeds 0, 1 and 2 learns the sums, not only a format.
+
+Each assertion is on the MEDIAN held-out correctness over the three seeds, against the best constant answer (a
+policy that ignores the question and always answers the most frequent sum: the plateau a collapsed run sits on).
+
+* ``test_the_answer_alone_is_learnt_on_the_median_seed`` (CI, ~1.5 min): ``examples/grpo.yaml``'s policy and
+  optimiser on the built-in sums with the answer as the first and only completion token, scored by exact
+  correctness. This is where the tiny policy and GRPO learn the 25 sums in a few hundred steps (docs/learning.md,
+  hypothesis (g)); a regression in the learner, the advantages or the policy shows here first.
+* ``test_every_example_learns_the_sums_on_the_median_seed`` (``PALESTRA_ROBUSTNESS=1``): every example config and
+  the default run, as written (2000 steps each, ~50 min on two cores), which is what ``bench/robustness.py``
+  measures. It is not in CI: it does not fit the budget, and on 2026-12-03 the tagged, format-first examples did
+  not yet pass it (docs/learning.md, "Examples x seeds").
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+SEEDS = (0, 1, 2)
+
+
+def constant_answer_accuracy(name: str) -> float:
+    """The correctness of always answering the most frequent sum, for the config's operand range."""
+    from palestra.config import load_config
+
+    options = load_config(config_path(name)).environment.options
+    top = options.max_operand if options.max_operand is not None else 9
+    sums = Counter(a + b for a in range(top + 1) for b in range(top + 1))
+    return max(sums.values()) / sum(sums.values())
+
+
+def median_correctness(name: str, overrides: list[str]) -> tuple[float, list[float]]:
+    runs: list[dict[str, Any]] = [run_one(name, seed, overrides) for seed in SEEDS]
+    correctness = [r["correctness"] for r in runs]
+    return statistics.median(correctness), correctness
+
+
+def test_the_answer_alone_is_learnt_on_the_median_seed() -> None:
+    # Measured 2026-12-03 (300 steps): held-out correctness 0.94, 0.89, see docs/learning.md for seed 2; the
+    # constant answer scores 0.2. 64 held-out tasks: a constant answer scores 0.2 +- ~0.05, so 0.5 is far outside.
+    median, each = median_correctness("grpo", [*BARE_ANSWER, "train.steps=300"])
+    chance = constant_answer_accuracy("grpo")
+    assert median >= 0.5 > 2 * chance, f"median held-out correctness {median:.3f} over seeds {SEEDS} (each: {each})"
+
+
+@pytest.mark.skipif(os.environ.get("PALESTRA_ROBUSTNESS") != "1", reason="~50 min: set PALESTRA_ROBUSTNESS=1")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_example_learns_the_sums_on_the_median_seed(name: str) -> None:
+    median, each = median_correctness(name, [])
+    chance = constant_answer_accuracy(name)
+    assert median >= 2 * chance, (
+        f"{name}: median held-out correctness {median:.3f} over seeds {SEEDS} (each: {each}) is not above twice the "
+        f"constant-answer level {chance:.3f}"
+    )
