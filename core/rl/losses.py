@@ -38,6 +38,35 @@ def _policy_inputs(
     return lp, a, m, log_ratio
 
 
+def _clip_range(fn: str, clip_low: float, clip_high: float | None) -> tuple[float, float]:
+    """``(clip_low, clip_high)`` as floats (``clip_high`` None: ``clip_low``), checked."""
+    lo = float(clip_low)
+    hi = float(clip_high) if clip_high is not None else lo
+    if not (0 < lo < 1) or not hi > 0:
+        raise ValueError(f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    return lo, hi
+
+
+def _pessimistic(ratio: torch.Tensor, a: torch.Tensor, m: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """PPO's pessimistic clipped objective per token, ``-min(r * A, clip(r, 1 - lo, 1 + hi) * A)``, 0 at padding."""
+    loss = -torch.minimum(ratio * a, ratio.clamp(1.0 - lo, 1.0 + hi) * a)
+    return torch.where(m, loss, torch.zeros_like(loss))
+
+
+def _clip_metrics(
+    ratio: torch.Tensor, a: torch.Tensor, m: torch.Tensor, lo: float, hi: float, log_ratio: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``clip_frac`` (the clipped branch of ``ratio`` is active), ``ratio_mean``, and ``approx_kl`` (k3 of the token
+    log-ratios), over valid tokens."""
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - lo) & (a < 0)) | ((ratio > 1.0 + hi) & (a > 0))
+        return {
+            "clip_frac": masked_mean(clipped, m),
+            "ratio_mean": masked_mean(ratio, m),
+            "approx_kl": masked_mean((torch.exp(log_ratio) - 1.0) - log_ratio, m),
+        }
+
+
 def clipped_surrogate(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -56,21 +85,9 @@ def clipped_surrogate(
     """
     fn = "clipped_surrogate"
     lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
-    lo = float(clip_low)
-    hi = float(clip_high) if clip_high is not None else lo
-    if not (0 < lo < 1) or not hi > 0:
-        raise ValueError(f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    lo, hi = _clip_range(fn, clip_low, clip_high)
     ratio = torch.exp(log_ratio)
-    loss = -torch.minimum(ratio * a, ratio.clamp(1.0 - lo, 1.0 + hi) * a)
-    loss = torch.where(m, loss, torch.zeros_like(loss))
-    with torch.no_grad():
-        clipped = ((ratio < 1.0 - lo) & (a < 0)) | ((ratio > 1.0 + hi) & (a > 0))
-        metrics = {
-            "clip_frac": masked_mean(clipped, m),
-            "ratio_mean": masked_mean(ratio, m),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
-        }
-    return loss, metrics
+    return _pessimistic(ratio, a, m, lo, hi), _clip_metrics(ratio, a, m, lo, hi, log_ratio)
 
 
 def gspo_surrogate(
@@ -100,26 +117,12 @@ def gspo_surrogate(
     """
     fn = "gspo_surrogate"
     lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
-    lo = float(clip_low)
-    hi = float(clip_high) if clip_high is not None else lo
-    if not (0 < lo < 1) or not hi > 0:
-        raise ValueError(f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+    lo, hi = _clip_range(fn, clip_low, clip_high)
     lengths = m.sum(-1, keepdim=True).clamp(min=1)
     with torch.no_grad():
         seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths)  # [B, 1]; 1 for a row without tokens
     token_ratio = seq_ratio * torch.exp(lp - lp.detach())  # value s_i, gradient s_i * grad logp
-    loss = -torch.minimum(token_ratio * a, token_ratio.clamp(1.0 - lo, 1.0 + hi) * a)
-    loss = torch.where(m, loss, torch.zeros_like(loss))
-    with torch.no_grad():
-        s = seq_ratio.expand_as(lp)
-        clipped = ((s < 1.0 - lo) & (a < 0)) | ((s > 1.0 + hi) & (a > 0))
-        ratio = torch.exp(log_ratio)
-        metrics = {
-            "clip_frac": masked_mean(clipped, m),
-            "ratio_mean": masked_mean(s, m),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
-        }
-    return loss, metrics
+    return _pessimistic(token_ratio, a, m, lo, hi), _clip_metrics(seq_ratio.expand_as(lp), a, m, lo, hi, log_ratio)
 
 
 def cispo_surrogate(

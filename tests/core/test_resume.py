@@ -61,28 +61,37 @@ def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if k != "time" and not k.startswith("perf/")} for m in lines]
 
 
-def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_path: Path) -> None:
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(raw_config(Path("runs"))))
+def killed_and_resumed(
+    config: Path, tmp_path: Path, *, steps: int, save_every: int, timeout: float = 120
+) -> tuple[Path, Path]:
+    """Run ``config`` twice (in ``tmp_path/a`` and ``tmp_path/b``); SIGKILL the second once its second step
+    checkpoint exists and resume it to ``steps``. Returns the two run directories, both finished."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     whole = palestra(["--config", str(config)], tmp_path / "a")
     killed = palestra(["--config", str(config)], tmp_path / "b")
     run_a, run_b = tmp_path / "a" / "runs" / "r", tmp_path / "b" / "runs" / "r"
-    wanted = run_b / "checkpoints" / ckpt.step_name(2 * SAVE_EVERY)
-    deadline = time.monotonic() + 120
+    wanted = run_b / "checkpoints" / ckpt.step_name(2 * save_every)
+    deadline = time.monotonic() + timeout
     while not wanted.exists() and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     killed.send_signal(signal.SIGKILL)
     killed.communicate()
     assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     assert not (run_b / ckpt.FINAL_NAME).exists(), "the run finished before the kill; nothing was resumed"
-    finish(whole)
+    finish(whole, timeout=timeout)
 
-    resumed = palestra(["--resume", str(run_b), f"train.steps={STEPS}"], tmp_path / "b")
-    out, err = resumed.communicate(timeout=120)
+    resumed = palestra(["--resume", str(run_b), f"train.steps={steps}"], tmp_path / "b")
+    out, err = resumed.communicate(timeout=timeout)
     assert resumed.returncode == 0, err[-3000:]
     assert f"resuming {run_b}" in out
+    return run_a, run_b
+
+
+def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw_config(Path("runs"))))
+    run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY)
 
     a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
     b = ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)

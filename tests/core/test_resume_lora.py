@@ -6,9 +6,7 @@ The helpers are the full-weight resume test's (tests/core/test_resume.py).
 
 from __future__ import annotations
 
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.engine import checkpoint as ckpt
-from test_resume import finish, metric_lines, palestra
+from test_resume import killed_and_resumed, metric_lines
 
 STEPS, SAVE_EVERY = 8, 2
 
@@ -50,25 +48,7 @@ def test_a_lora_run_killed_mid_training_resumes_to_the_same_adapters_bitwise(tmp
     model_dir = tiny_hf.build_qwen2(tmp_path / "model")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw_config(model_dir)))
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    whole = palestra(["--config", str(config)], tmp_path / "a")
-    killed = palestra(["--config", str(config)], tmp_path / "b")
-    run_a, run_b = tmp_path / "a" / "runs" / "r", tmp_path / "b" / "runs" / "r"
-    wanted = run_b / "checkpoints" / ckpt.step_name(2 * SAVE_EVERY)
-    deadline = time.monotonic() + 180
-    while not wanted.exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    killed.send_signal(signal.SIGKILL)
-    killed.communicate()
-    assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    assert not (run_b / ckpt.FINAL_NAME).exists(), "the run finished before the kill; nothing was resumed"
-    finish(whole, timeout=180)
-
-    resumed = palestra(["--resume", str(run_b), f"train.steps={STEPS}"], tmp_path / "b")
-    out, err = resumed.communicate(timeout=180)
-    assert resumed.returncode == 0, err[-3000:]
-    assert f"resuming {run_b}" in out
+    run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY, timeout=180)
 
     a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
     b = ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
