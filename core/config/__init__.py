@@ -44,7 +44,7 @@ from .schema import (
     TrainConfig,
     option,
 )
-from .validation import check_options, default_registry, to_plain
+from .validation import check_options, default_registry, format_fields, to_plain
 
 __all__ = [
     "SPEC_TYPES",
@@ -66,6 +66,7 @@ __all__ = [
     "TrainConfig",
     "build_component",
     "check_options",
+    "format_fields",
     "default_registry",
     "load_config",
     "option",

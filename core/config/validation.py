@@ -325,3 +325,13 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
+def format_fields(key: str, template: str) -> list[str]:
+    """The ``{field}`` names of a ``str.format`` template option; a one-line :class:`OptionError` naming ``key`` when
+    it is not a format string (an unmatched brace, say). Callers check the names against what they provide."""
+    import string
+
+    try:
+        return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise OptionError(key, f"is not a format string: {e}") from None
+

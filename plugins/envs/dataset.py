@@ -31,14 +31,13 @@ from __future__ import annotations
 import csv
 import json
 import random
-import string
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from palestra import hookimpl
-from palestra.config import ConfigError, OptionError, check_options, option
+from palestra.config import ConfigError, OptionError, check_options, format_fields, option
 from palestra.types import Message, Observation, StepResult
 
 from palestra.plugins.envs._episodes import single_turn_step
@@ -87,10 +86,7 @@ class DatasetOptions:
 
 def template_fields(template: str) -> list[str]:
     """The column names a template uses; a one-line :class:`OptionError` for anything but plain ``{name}`` fields."""
-    try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise OptionError("template", f"is not a format string: {e}") from None
+    names = format_fields("template", template)
     for name in names:
         if not name.isidentifier():
             raise OptionError("template", f"fields must be plain column names such as {{question}}, got {{{name}}}")

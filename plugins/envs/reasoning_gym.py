@@ -31,13 +31,12 @@ import difflib
 import json
 import math
 import random
-import string
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from palestra import hookimpl
-from palestra.config import ConfigError, OptionError, check_options, option
+from palestra.config import ConfigError, OptionError, check_options, format_fields, option
 from palestra.registry import MissingPackageError, Requires
 from palestra.types import Message, Observation, RewardOutput, StepResult
 
@@ -93,10 +92,7 @@ class ReasoningGymOptions:
             for key in _SET_BY_ENVIRONMENT:
                 if key in config:
                     raise OptionError(f"task_options.{name}.{key}", "is set by the environment; use seed, size, eval_seed and eval_size")
-        try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(self.prompt) if f is not None]
-        except ValueError as e:
-            raise OptionError("prompt", f"is not a format string: {e}") from None
+        fields = format_fields("prompt", self.prompt)
         for f in fields:
             if f not in PROMPT_FIELDS:
                 raise OptionError("prompt", f"unknown field {{{f}}}; the fields are {{question}} and {{tag}}")

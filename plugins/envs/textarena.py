@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palestra import hookimpl
-from palestra.config import OptionError, check_options, option
+from palestra.config import OptionError, check_options, format_fields, option
 from palestra.registry import Requires
 from palestra.types import Message, Observation, StepResult
 
@@ -126,10 +126,7 @@ class TextArenaOptions:
                 raise OptionError(f"opponents.{key}", "keys are player ids: '0', '1', ...")
             if kind not in ("random", "first") and not (kind.startswith("fixed:") and kind[len("fixed:"):]):
                 raise OptionError(f"opponents.{key}", f"unknown opponent {kind!r}; use one of {', '.join(OPPONENT_KINDS)}")
-        try:
-            names = [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None]
-        except ValueError as e:
-            raise OptionError("prompt_template", f"is not a format string: {e}") from None
+        names = format_fields("prompt_template", self.prompt_template)
         for name in names:
             if name not in TEMPLATE_FIELDS:
                 raise OptionError("prompt_template", f"unknown field {{{name}}}; the fields are {', '.join(TEMPLATE_FIELDS)}")
