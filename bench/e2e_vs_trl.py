@@ -173,14 +173,16 @@ def palestra_config(args: argparse.Namespace, folder: Path, run_dir: Path) -> An
         "run": {"name": "e2e_vs_trl", "seed": args.seed, "output_dir": str(run_dir)},
         "environment": {"name": "arithmetic", "options": {"difficulty": args.difficulty, "terms": 2, "prompt": "{question} ="}},
         "reward": {"name": "format", "options": {"pattern": REWARD_PATTERN}},
-        "policy": {"name": "hf", "options": {"path": str(folder), "dtype": "float32"}},
+        "policy": {"name": "hf", "options": {"path": str(folder), "dtype": "float32", "attn_implementation": args.attn,
+                                              "generation_attn_implementation": args.generation_attn}},
         "optimizer": {"name": "grpo", "options": {"beta": args.beta, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean"}},
         "generator": {"name": "kv_cache"},
         "loggers": [],
         "train": {
             "steps": args.steps + 1, "batch_size": args.batch, "group_size": args.group, "lr": args.lr,
-            "max_new_tokens": args.new_tokens, "temperature": 1.0, "top_p": 1.0, "grad_accum": 1,
+            "max_new_tokens": args.new_tokens, "temperature": 1.0, "top_p": 1.0, "grad_accum": args.grad_accum,
             "max_grad_norm": 1.0, "weight_decay": 0.0, "device": "cpu", "dtype": "float32",
+            "precision": args.precision,
         },
     }
     return validate_config(raw)
@@ -222,11 +224,12 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
         tokenizer.pad_token = tokenizer.eos_token
     chat = bool(getattr(tokenizer, "chat_template", None))
     dataset = Dataset.from_list(trl_prompts(ours, args, steps_total, chat))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=args.trl_attn)
     config = GRPOConfig(
         output_dir=str(work / "trl"), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
         logging_strategy="steps", logging_steps=1, seed=args.seed, max_steps=steps_total,
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=args.group,
+        per_device_train_batch_size=rows // args.grad_accum, gradient_accumulation_steps=args.grad_accum,
+        generation_batch_size=rows, num_generations=args.group, bf16=args.precision == "bf16",
         max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=args.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
@@ -299,7 +302,9 @@ def summarise(args: argparse.Namespace, timings: dict[str, list[float]], lengths
 def format_table(args: argparse.Namespace, result: dict[str, Any]) -> str:
     head = f"{'':<10} {'s/step':>9} {'completions/s':>14} {'tokens/s':>10} {'mean length':>12}"
     lines = [f"{args.model}: {args.batch} prompts x {args.group} completions x {args.new_tokens} new tokens, "
-             f"beta={args.beta}, lr={args.lr}, {args.threads} threads, {args.steps} measured steps (median)", head]
+             f"beta={args.beta}, lr={args.lr}, {args.threads} threads, {args.precision}, {args.attn} attention "
+             f"(Palestra sampling: {args.generation_attn or args.attn}; TRL: {args.trl_attn}), "
+             f"{args.grad_accum} micro-batch(es), {args.steps} measured steps (median)", head]
     for side in ("palestra", "trl"):
         r = result[side]
         lines.append(f"{side:<10} {r['step_s_median']:>9.3f} {r['completions_per_s']:>14.2f} {r['tokens_per_s']:>10.1f} "
@@ -324,6 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient to the frozen reference (> 0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: the CPU count)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: mixed precision on both sides (TRL bf16=True, Palestra train.precision=bf16)")
+    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="transformers' attention implementation, for both sides' model")
+    p.add_argument("--generation-attn", choices=("sdpa", "eager"), default=None,
+                   help="Palestra's attention while sampling (policy.options.generation_attn_implementation; "
+                        "default: --attn). TRL's generate has no such switch")
+    p.add_argument("--trl-attn", choices=("sdpa", "eager"), default=None,
+                   help="TRL's attention, for its generation and training (default: --attn)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step on both sides (TRL gradient_accumulation_steps, Palestra "
+                        "train.grad_accum); the rows of a step must divide evenly")
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "palestra" / "bench-models"),
                    help="where the built model folders are kept")
     p.add_argument("--out", default=None, help="write the result to this JSON file")
@@ -332,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps: expected at least 1, got {args.steps}")
     if args.beta <= 0:
         p.error(f"--beta: the comparison includes the KL term to a reference; expected > 0, got {args.beta}")
+    if (args.batch * args.group) % args.grad_accum:
+        p.error(f"--grad-accum: {args.grad_accum} does not divide the {args.batch * args.group} rows of a step")
     preset = PRESETS[args.model]
     args.new_tokens = args.new_tokens or preset.new_tokens
     args.difficulty = preset.difficulty
     args.threads = args.threads or os.cpu_count() or 1
+    args.trl_attn = args.trl_attn or args.attn
 
     import torch
 
@@ -351,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "model": args.model, "batch": args.batch, "group": args.group, "new_tokens": args.new_tokens,
             "lr": args.lr, "beta": args.beta, "threads": args.threads, "steps": args.steps, "seed": args.seed,
+            "precision": args.precision, "attn": args.attn, "grad_accum": args.grad_accum,
+            "generation_attn": args.generation_attn or args.attn, "trl_attn": args.trl_attn,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -358,7 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         existing = json.loads(path.read_text()) if path.is_file() else {}
-        existing[args.model] = {"meta": meta, **result}  # one entry per preset: several runs share the file
+        # one entry per preset and set-up: several runs share the file
+        gen_attn = args.generation_attn or args.attn
+        setup = (args.precision, args.attn, gen_attn, args.trl_attn, args.grad_accum)
+        key = args.model if setup == ("fp32", "sdpa", "sdpa", "sdpa", 1) else \
+            f"{args.model}/{args.precision}-{args.attn}-gen{gen_attn}-trl{args.trl_attn}-accum{args.grad_accum}"
+        existing[key] = {"meta": meta, **result}
         path.write_text(json.dumps(existing, indent=2))
         print(f"written to {args.out}", file=sys.stderr)
     return 0

@@ -168,7 +168,9 @@ class Trainer:
         gen = torch.Generator(device=self.device).manual_seed(derive_seed(seed, "sampling" + stream, step))
         self.policy.eval()
         started = time.perf_counter()
-        with self.watchdog.phase("rollout"), self.dist.gathered(self.policy):
+        # Sampling runs in the training precision too (train.precision=bf16: the decode matmuls in bf16, the sampling
+        # math in fp32); any gap to the learner's log-probs this leaves is logged as rollout/* and can be corrected.
+        with self.watchdog.phase("rollout"), self.dist.gathered(self.policy), self.algorithm.autocast():
             ro = collect(
                 self.checked_env, self.policy, self.generator, self.sampling, self.local_batch_size,
                 group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
@@ -308,7 +310,7 @@ class Trainer:
         params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=0.0)
         # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
         # collectives see every rank and the number needs no reduction.
-        with self.watchdog.phase("eval"), self.dist.gathered(self.policy):
+        with self.watchdog.phase("eval"), self.dist.gathered(self.policy), self.algorithm.autocast():
             ro = collect(self.checked_eval_env, self.policy, self.generator, params, n,
                          seed=derive_seed(self.config.run.seed, "held-out"))
             scored = self.reward.evaluate(*ro.reward_rows())

@@ -7,7 +7,7 @@ then provides, the same way for our own transformer and for a HuggingFace model:
 * :meth:`encode_observations`: observations -> left-padded prompt ids and mask;
 * :meth:`score`: log-probs and entropy of completion tokens, plus per-token values when a value head is enabled
   (PPO). When the output head is a plain ``nn.Linear`` and the logits would be large
-  (:data:`FUSED_HEAD_MIN_LOGIT_BYTES`), the head and the log-prob kernel run as one op,
+  (:data:`FUSED_HEAD_MIN_LOGIT_BYTES`) and no autocast is active, the head and the log-prob kernel run as one op,
   :func:`palestra.kernels.linear_logprob_entropy`, over the real completion tokens only: no ``[B, T, V]`` logits
   are kept for the backward pass, and padding costs nothing. Any other head (a LoRA-wrapped one, say) goes through
   :meth:`logits` and :func:`palestra.kernels.logprob_entropy` (never an fp32 ``[B, T, V]`` copy);
@@ -239,6 +239,11 @@ class CausalLMPolicy(torch.nn.Module):
         head = self.fusable_head()
         if head is not None and completion_ids.numel() * head[0].shape[0] * 4 < FUSED_HEAD_MIN_LOGIT_BYTES:
             head = None  # small logits: the fused op would save little memory and costs one more matmul
+        if head is not None and torch.is_autocast_enabled(states.device.type):
+            # Under autocast (train.precision=bf16/fp16) the head runs as autocast runs a linear layer, in the low
+            # precision: the fused op computes its logits in fp32, and its four fp32 head matmuls were a third of a
+            # bf16 SmolLM2 update on a CPU with bf16 matrix units (docs/performance.md).
+            head = None
         if head is None:
             logits = self.logits(states)
             tokens = completion_ids.masked_fill(~completion_mask, -100)

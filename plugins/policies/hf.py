@@ -78,7 +78,11 @@ class HFOptions:
     chat_template: Literal["auto", "on", "off"] = "auto"  # auto: apply the tokenizer's template when it has one
     trust_remote_code: bool = False  # run modelling code shipped inside the folder (only for folders you trust)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (transformers' own switch)
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # transformers' attention, for every forward
+    # The attention while sampling with the KV cache, when it should differ; null: attn_implementation. On a CPU,
+    # eager attention trains faster than torch's CPU flash-attention backward, while sdpa samples faster (eager
+    # repeats the shared key/value heads of grouped-query attention at every token): docs/performance.md.
+    generation_attn_implementation: Literal["sdpa", "eager"] | None = None
     lora: LoraOptions | None = None  # LoRA adapters (peft) over the frozen model; null: full fine-tuning
 
     def __post_init__(self) -> None:
@@ -325,6 +329,7 @@ def _policy_class() -> type:
             params = inspect.signature(self._decoder.forward).parameters
             # transformers 5 renamed the cache argument ``past_key_values`` -> ``cache``
             self._cache_arg = "cache" if "cache" in params else "past_key_values"
+            self._attn_now = o.attn_implementation  # the implementation the model is set to
 
         def _adapt(self, model: Any, source: str) -> Any:
             """The module :attr:`model` holds: the transformers model itself (every weight trains)."""
@@ -395,6 +400,12 @@ def _policy_class() -> type:
             *,
             use_cache: bool = False,
         ) -> tuple[torch.Tensor, Any]:
+            o = self.options
+            # Incremental decoding (use_cache) is sampling; every other forward scores or trains.
+            wanted = (o.generation_attn_implementation or o.attn_implementation) if use_cache else o.attn_implementation
+            if wanted != self._attn_now:  # switched once per phase, not per token
+                self.hf_model.set_attn_implementation(wanted)
+                self._attn_now = wanted
             out = self._decoder(
                 input_ids=input_ids,
                 attention_mask=attention_mask.to(torch.long),

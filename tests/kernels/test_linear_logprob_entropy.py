@@ -339,6 +339,12 @@ def test_score_fuses_only_when_the_logits_would_be_large(monkeypatch: pytest.Mon
     large = policy.score(*batch)
     assert calls == [1]
     torch.testing.assert_close(large.logprobs, small.logprobs, atol=2e-5, rtol=2e-5)
+    # Under autocast the head runs in bf16 like any linear layer, never through the fp32 fused op.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = policy.score(*batch)
+    assert calls == [1]
+    assert low.logprobs.dtype == torch.float32
+    torch.testing.assert_close(low.logprobs, small.logprobs, atol=0.1, rtol=0.05)
 
 
 # ---- tiny HuggingFace models (tests/fixtures/tiny_hf.py) -------------------------------------------------

@@ -318,6 +318,35 @@ def test_greedy_sampling_matches_hf_generate(policies: dict[str, CausalLMPolicy]
     assert max(len(r) for r in theirs) > 1 and min(len(r) for r in theirs_stop) <= 6
 
 
+def test_generation_can_use_another_attention_than_training(folders: dict[str, Path],
+                                                            policies: dict[str, CausalLMPolicy]) -> None:
+    """attn_implementation=eager with generation_attn_implementation=sdpa: the KV-cache decoding runs under sdpa,
+    every other forward under eager, and both give the plain policy's numbers."""
+    from palestra.models.sampling import generate
+
+    plain = policies["llama"]
+    mixed = build(folders["llama"], attn_implementation="eager", generation_attn_implementation="sdpa")
+    used: list[str] = []
+    switch = mixed.hf_model.set_attn_implementation
+    mixed.hf_model.set_attn_implementation = lambda impl, **kw: used.append(impl) or switch(impl, **kw)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    for policy in (plain, mixed):
+        policy.eval()
+    try:
+        ours, theirs = generate(mixed, OBSERVATIONS, params), generate(plain, OBSERVATIONS, params)
+        assert torch.equal(ours.completion_ids, theirs.completion_ids)
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=1e-5)
+        assert used == ["sdpa"]  # once for the whole generation, not per token
+        batch = (ours.prompt_ids, ours.prompt_mask, ours.completion_ids, ours.completion_mask)
+        torch.testing.assert_close(mixed.score(*batch).logprobs, plain.score(*batch).logprobs, atol=1e-5, rtol=1e-5)
+        assert used == ["sdpa", "eager"]
+    finally:
+        for policy in (plain, mixed):
+            policy.train()
+    with pytest.raises(ConfigError, match=r"policy\.options\.generation_attn_implementation"):
+        build(folders["llama"], generation_attn_implementation="flash")
+
+
 def test_a_padded_output_head_never_yields_ids_the_tokenizer_lacks(policies: dict[str, CausalLMPolicy]) -> None:
     policy = policies["qwen2"]
     n, rows = len(policy.tokenizer), policy.model.get_output_embeddings().weight.shape[0]
