@@ -7,6 +7,7 @@
 * :mod:`.stats`: masked means (how metrics are reported) and explained variance;
 * :mod:`.schedules`: learning-rate schedules;
 * :mod:`.checks`: the one-line tensor errors the functions above raise;
+* :mod:`.replay`: the experience-replay buffer (REINFORCE and the GRPO family);
 * :mod:`.names`: the choices options name (loss aggregations, KL estimators), importable without torch.
 
 The advantage estimators themselves (GAE, group and leave-one-out baselines, running reward normalisation)
@@ -36,6 +37,7 @@ _LAZY = {
     "explained_variance": "palestra.rl.stats",
     "group_tie_stats": "palestra.rl.stats",
     "masked_mean": "palestra.rl.stats",
+    "ReplayBuffer": "palestra.rl.replay",
     "RolloutCorrectionOptions": "palestra.rl.rollout_correction",
     "rollout_mismatch": "palestra.rl.rollout_correction",
 }

@@ -17,6 +17,7 @@ DAPO, GSPO and CISPO build on :class:`GRPO` (its advantages, a different loss): 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
@@ -32,6 +33,15 @@ class GRPOOptions(AlgorithmOptions):
     scale: Literal["group", "batch", "none"] = "group"  # divide centred rewards by the group's / batch's std, or not
     std_eps: float = option(1e-4, gt=0)  # added to the std (a group of equal rewards gives 0, not NaN)
     loss_agg: LossAgg = "token_mean"
+    # Replay (palestra.rl.replay): the rows of the last replay_capacity batches are kept and replay_rows of them join
+    # every update; the clipped ratio against each row's behaviour log-probs corrects (and bounds) their staleness.
+    replay_capacity: int = option(0, ge=0)  # batches kept for replay; 0: no replay
+    replay_rows: int = option(0, ge=0)  # replayed rows added to every update
+
+    def __post_init__(self) -> None:
+        from palestra.rl.replay import check_replay_options
+
+        check_replay_options(self.replay_capacity, self.replay_rows)
 
 
 @dataclass
@@ -61,6 +71,10 @@ class GRPO(Algorithm):
                 f"train.group_size: {self.name}'s group-relative advantages need at least 2 completions per prompt, "
                 f"got {self.train.group_size} (every advantage would be 0)"
             )
+        from palestra.rl.replay import ReplayBuffer
+
+        o = self.options
+        self.replay = ReplayBuffer(o.replay_capacity, o.replay_rows, pad_token_id=policy.tokenizer.pad_token_id)
 
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import group_advantages
@@ -72,6 +86,23 @@ class GRPO(Algorithm):
 
     def loss(self, policy: Any, batch: Experience):
         return self.clipped_loss(policy, batch, kl_coef=self.options.beta)
+
+    # ---- replay ---------------------------------------------------------------------------------------------
+    def batch_for_update(self, batch: Experience) -> Experience:
+        return self.replay.mix(batch, self.shuffle_generator)
+
+    def after_update(self, batch: Experience) -> None:
+        self.replay.add(batch)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"replay": self.replay.state()} if self.replay.enabled else {}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if not self.replay.enabled:
+            return super().load_extra_state(state)
+        if set(state) != {"replay"}:
+            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected replay")
+        self.replay.load(state["replay"])
 
 
 class DrGRPO(GRPO):

@@ -67,6 +67,16 @@ class DAPO(GRPO):
     Options = DAPOOptions
     options: DAPOOptions
 
+    def on_setup(self, policy: Any) -> None:
+        super().on_setup(policy)
+        if self.replay.enabled:
+            from palestra.config import ConfigError
+
+            raise ConfigError(
+                "optimizer.options.replay_capacity: dapo does not replay (its dynamic sampling decides the rows of "
+                "each update); set replay_capacity and replay_rows to 0, or use grpo, gspo or cispo for replay"
+            )
+
     def kept_rows(self, batch: Experience) -> torch.Tensor:
         """Bool ``[B]``: the rows this update trains on (every row without dynamic sampling)."""
         import torch

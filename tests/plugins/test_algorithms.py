@@ -423,8 +423,42 @@ def test_reinforce_replay_uses_truncated_importance_weights():
         build("reinforce", replay_capacity=2)
 
 
+def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipped_loss():
+    policy, reference = ToyPolicy(0), ToyPolicy(5)
+    algo = build("grpo", beta=0.3, replay_capacity=2, replay_rows=4)
+    algo.setup(policy, train_config(lr=0.05), reference=reference)
+    first = algo.prepare(shifted_batch(policy, seed=1, scale=0.0))
+    assert algo.batch_for_update(first) is first  # nothing stored yet
+    algo.update(policy, first)  # the policy moves: first's behaviour log-probs are now stale
+    fresh = algo.prepare(shifted_batch(policy, seed=2, scale=0.0, lengths=[2, 5, 5, 3, 4, 4]))
+    rows = algo.batch_for_update(fresh)
+    assert rows.batch_size == 10
+    assert torch.equal(rows.completion_ids[:6, :5], fresh.completion_ids)
+    old = {tuple(r): i for i, r in enumerate(first.completion_ids.tolist())}
+    picked = [old[tuple(r[:5])] for r in rows.completion_ids[6:].tolist()]
+    # a replayed row keeps the advantage and the reference log-probs of its own batch
+    assert rows.advantages[6:].tolist() == first.advantages[picked].tolist()
+    torch.testing.assert_close(rows.ref_logprobs[6:, :5], first.ref_logprobs[picked])
+
+    logp = reference_logprobs(policy, rows)
+    ref = rows.ref_logprobs.double()
+    surrogate, ratio, clipped = clipped_surrogate(logp, rows.behaviour_logprobs.double(), rows.advantages.double(), 0.2, 0.2)
+    k3 = torch.exp(ref - logp) - 1 - (ref - logp)
+    m = Masked(rows.completion_mask)
+    loss, metrics = algo.loss(policy, rows)
+    assert loss.item() == pytest.approx(m.token_mean(surrogate + 0.3 * k3), rel=1e-5, abs=1e-6)
+    assert clipped[6:][rows.completion_mask[6:]].any()  # the clip bounds some stale tokens
+    assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
+
+    with pytest.raises(ConfigError, match=r"^grpo\.replay_capacity: replay needs both"):
+        build("grpo", replay_rows=2)
+    dapo = build("dapo", replay_capacity=2, replay_rows=4)
+    with pytest.raises(ConfigError, match=r"^optimizer\.options\.replay_capacity: dapo does not replay"):
+        dapo.setup(ToyPolicy(), train_config())
+
+
 # ---- every algorithm: checkpoints and gradient accumulation ----------------------------------------------------
-OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}}
+OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}, "grpo": {"replay_capacity": 2, "replay_rows": 3}}
 
 
 def _setup(name: str, seed: int = 0, **train):
