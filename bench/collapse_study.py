@@ -14,7 +14,8 @@ instrumented from the outside (this script only wraps the algorithm's ``advantag
   the mean |advantage| of the odd row out in groups where exactly one row differs (what ``scale: group`` blows up);
 * every ``--probe-every`` steps, on the step's batch: the gradient norm of the policy-gradient term and of the
   entropy bonus, each alone (``ent_share = |g_ent| / (|g_pg| + |g_ent|)``), and the RMS of the output logits;
-* ``clip_frac`` and the curriculum's unlock step, from the learner's own metrics.
+* ``clip_frac`` and the curriculum's unlock step, from the learner's own metrics;
+* ``adv_std``: the advantages' std over the valid tokens (the scale the entropy bonus is weighed against).
 
 The summary per run: held-out reward and correctness after training, the lowest answer entropy, the answer
 entropy when correctness unlocked, the mean near-tied advantage and entropy share.
@@ -67,6 +68,16 @@ HYPOTHESES: dict[str, tuple[str, list[str]]] = {
     "batch_64": ("(f) 64 prompts a step instead of 16", ["train.batch_size=64"]),
     "batch_64_scale_none": ("(f) 64 prompts a step, no std division",
                             ["train.batch_size=64", "optimizer.options.scale=none"]),
+    # (h) the advantages' scale against the entropy bonus: algorithms that normalise their advantages to unit
+    # scale (REINFORCE's running normalisation, REINFORCE++'s and PPO's whitening) make the same 0.05 bonus a
+    # smaller share of the update (under Adam only the ratio matters)
+    "normalize_on": ("(h) reinforce: running reward normalisation", ["optimizer.options.normalize=true"]),
+    "normalize_off": ("(h) reinforce: no running reward normalisation", ["optimizer.options.normalize=false"]),
+    "whiten_on": ("(h) ppo: advantages whitened over the batch", ["optimizer.options.whiten_advantages=true"]),
+    "whiten_off": ("(h) ppo: advantages not whitened", ["optimizer.options.whiten_advantages=false"]),
+    "entropy_0.05": ("(h) entropy bonus 0.05", ["optimizer.options.entropy_coef=0.05"]),
+    "entropy_0.12": ("(h) entropy bonus 0.12", ["optimizer.options.entropy_coef=0.12"]),
+    "entropy_0.25": ("(h) entropy bonus 0.25", ["optimizer.options.entropy_coef=0.25"]),
 }
 
 
@@ -108,6 +119,8 @@ def instrument(record: list[dict[str, Any]], probe_every: int, *, answer_credit:
             row["tied"] = float(tied.float().mean())
             row["reward_mean"] = float(r.mean())
             adv = batch.advantages.float()
+            # the advantages' scale: std over the valid tokens (per-row advantages: over rows)
+            row["adv_std"] = float((adv[batch.completion_mask] if adv.dim() == 2 else adv).std())
             if adv.dim() == 2:  # per-token advantages: the first token's stands for the row
                 adv = adv[:, 0]
             adv = adv.view(-1, g)
@@ -170,6 +183,7 @@ def summarise(result: dict[str, Any], record: list[dict[str, Any]]) -> dict[str,
     shares = [r["ent_share"] for r in probes if r.get("ent_share") is not None]
     near = [r["near_tied_adv"] for r in record if r.get("near_tied_adv") is not None]
     ent = [m["policy/entropy"] for m in hist[20:] if "policy/entropy" in m]
+    plateau = [r["adv_std"] for r in record[200:] if r.get("adv_std") is not None]  # after the format phase
     return {
         "reward": result["reward"],
         "correctness": result["correctness"],
@@ -181,6 +195,7 @@ def summarise(result: dict[str, Any], record: list[dict[str, Any]]) -> dict[str,
         "final_distinct": statistics.mean(r["distinct"] for r in record[-20:]),
         "mean_near_tied_adv": statistics.mean(near) if near else None,
         "mean_ent_share": statistics.mean(shares) if shares else None,
+        "mean_adv_std_after_200": statistics.mean(plateau) if plateau else None,
         "mean_clip_frac": statistics.mean(m.get("policy/clip_frac", 0.0) for m in hist),
         "logits_rms_last": next((r["logits_rms"] for r in reversed(probes) if r.get("logits_rms") is not None), None),
         "seconds": result["seconds"],
@@ -228,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"minH {fmt(s['min_entropy'])} minH_ans {fmt(s['min_answer_entropy'])} H_ans@unlock "
                 f"{fmt(s['answer_entropy_at_unlock'])} unlock {s['unlock_step']} distinct {s['final_distinct']:.2f} "
                 f"near_tied_adv {fmt(s['mean_near_tied_adv'], '.2f')} ent_share {fmt(s['mean_ent_share'])} "
+                f"adv_std {fmt(s['mean_adv_std_after_200'])} "
                 f"clip {s['mean_clip_frac']:.3f} logits {fmt(s['logits_rms_last'], '.1f')} {s['seconds']:.0f} s",
                 flush=True,
             )

@@ -1,6 +1,6 @@
 """Every tiny example config x seeds on the built-in task: final held-out reward and correctness, fraction of max, time.
 
-    python bench/robustness.py                                   # the six examples + the default, seeds 0 1 2
+    python bench/robustness.py                                   # the nine examples + the default, seeds 0 1 2
     python bench/robustness.py --configs grpo ppo --seeds 0 1 --set train.steps=300
     python bench/robustness.py --out bench/results/robustness.json
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ("grpo", "ppo", "reinforce", "rloo", "reinforce_pp", "dr_grpo")
+EXAMPLES = ("grpo", "ppo", "reinforce", "rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo")
 CONFIGS = (*EXAMPLES, "default")
 
 # The built-in sums with the answer as the first and only completion token, scored by exact correctness (no tag,
@@ -69,8 +69,11 @@ def run_one(
         seconds = time.perf_counter() - started
     after = result.after
     max_score = after.max_score
-    # a layered or weighted reward reports correctness as a component; a bare `correctness` reward is the total
-    key = "reward" if config.reward.name == "correctness" else "correctness"
+    # a layered or weighted reward reports correctness as a component (inside a weighted sum under its component's
+    # label, e.g. dapo.yaml's "task/correctness"); a bare `correctness` reward is the total
+    key = "reward" if config.reward.name == "correctness" else next(
+        (k for k in after.components if k == "correctness" or k.endswith("/correctness")), "correctness"
+    )
     history = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in result.history]
     curve = [
         {"step": i + 1, "reward": m["eval/reward"], "correctness": m.get(f"eval/{key}")}
@@ -83,7 +86,7 @@ def run_one(
         "overrides": list(overrides),
         "steps": config.train.steps,
         "reward": after.reward,
-        "correctness": after.reward if key == "reward" else after.components.get("correctness"),
+        "correctness": after.reward if key == "reward" else after.components.get(key),
         "max_score": max_score,
         "fraction_of_max": after.reward / max_score if max_score else None,
         "seconds": seconds,
