@@ -44,8 +44,8 @@ class ReplayBuffer:
     replacement, to a fresh batch. Its state (:meth:`state`, :meth:`load`) goes into the algorithm's checkpoint, so
     that a resumed run replays exactly what the uninterrupted one would have."""
 
-    def __init__(self, capacity: int, rows: int, *, pad_token_id: int) -> None:
-        self.capacity, self.rows, self.pad_token_id = capacity, rows, pad_token_id
+    def __init__(self, capacity: int, rows: int) -> None:
+        self.capacity, self.rows = capacity, rows
         self.batches: deque[Experience] = deque(maxlen=max(1, capacity))
 
     @property
@@ -65,14 +65,15 @@ class ReplayBuffer:
         if self.enabled:
             self.batches.append(self.stored_rows(batch))
 
-    def mix(self, batch: Experience, generator: torch.Generator) -> Experience:
-        """``batch``'s rows followed by up to ``rows`` stored rows; ``batch`` itself when nothing is stored."""
+    def mix(self, batch: Experience, generator: torch.Generator, *, pad_token_id: int) -> Experience:
+        """``batch``'s rows followed by up to ``rows`` stored rows (all re-padded with ``pad_token_id``); ``batch``
+        itself when nothing is stored."""
         if not self.enabled or not self.batches:
             return batch
-        stored = Experience.concat(list(self.batches), pad_token_id=self.pad_token_id)
+        stored = Experience.concat(list(self.batches), pad_token_id=pad_token_id)
         k = min(self.rows, stored.batch_size)
         picked = stored.select(torch.randperm(stored.batch_size, generator=generator)[:k])
-        return Experience.concat([self.stored_rows(batch), picked], pad_token_id=self.pad_token_id)
+        return Experience.concat([self.stored_rows(batch), picked], pad_token_id=pad_token_id)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state(self) -> list[dict[str, Any]]:

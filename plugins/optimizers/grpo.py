@@ -57,6 +57,12 @@ class GRPO(Algorithm):
     Options = GRPOOptions
     options: GRPOOptions
 
+    def __init__(self, **options: Any) -> None:
+        from palestra.rl.replay import ReplayBuffer
+
+        super().__init__(**options)
+        self.replay = ReplayBuffer(self.options.replay_capacity, self.options.replay_rows)
+
     @property
     def needs_reference(self) -> bool:
         return self.options.beta > 0
@@ -71,10 +77,6 @@ class GRPO(Algorithm):
                 f"train.group_size: {self.name}'s group-relative advantages need at least 2 completions per prompt, "
                 f"got {self.train.group_size} (every advantage would be 0)"
             )
-        from palestra.rl.replay import ReplayBuffer
-
-        o = self.options
-        self.replay = ReplayBuffer(o.replay_capacity, o.replay_rows, pad_token_id=policy.tokenizer.pad_token_id)
 
     def advantages(self, batch: Experience) -> Experience:
         from palestra.kernels import group_advantages
@@ -89,7 +91,7 @@ class GRPO(Algorithm):
 
     # ---- replay ---------------------------------------------------------------------------------------------
     def batch_for_update(self, batch: Experience) -> Experience:
-        return self.replay.mix(batch, self.shuffle_generator)
+        return self.replay.mix(batch, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
 
     def after_update(self, batch: Experience) -> None:
         self.replay.add(batch)

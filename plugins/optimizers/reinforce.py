@@ -15,18 +15,17 @@ for staleness, with the truncation bounding the variance.
 Replay: with ``replay_capacity > 0`` the last ``replay_capacity`` batches (their rows and the
 advantages they had) are kept, and every update adds ``replay_rows`` rows drawn uniformly without
 replacement from them (by the algorithm's generator, so runs repeat and checkpoints resume exactly).
-A batch joins the buffer after its own update. ``policy/clip_frac`` reports the fraction of tokens whose
-weight was truncated.
+A batch joins the buffer after its own update (:class:`palestra.rl.replay.ReplayBuffer`, which the GRPO family
+shares). ``policy/clip_frac`` reports the fraction of tokens whose weight was truncated.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from palestra import Algorithm, AlgorithmOptions, Experience, OptionError, hookimpl, option
+from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
 
 if TYPE_CHECKING:
     import torch
@@ -43,22 +42,9 @@ class ReinforceOptions(AlgorithmOptions):
     replay_is_clip: float = option(1.0, gt=0)  # truncation c of the importance weight min(pi/mu, c)
 
     def __post_init__(self) -> None:
-        if (self.replay_capacity > 0) != (self.replay_rows > 0):
-            key = "replay_rows" if self.replay_capacity > 0 else "replay_capacity"
-            raise OptionError(
-                key, f"replay needs both replay_capacity and replay_rows > 0; got replay_capacity={self.replay_capacity}, "
-                f"replay_rows={self.replay_rows}"
-            )
+        from palestra.rl.replay import check_replay_options
 
-
-# The per-row tensors a replayed row needs (reference log-probs and value targets are never replayed).
-_REPLAY_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs",
-                  "rewards", "advantages", "group_ids")
-
-
-def replay_rows(batch: Experience) -> Experience:
-    """A detached copy of ``batch`` with only what replay needs."""
-    return Experience(**{k: getattr(batch, k).detach().clone() for k in _REPLAY_FIELDS}, agent_ids=list(batch.agent_ids))
+        check_replay_options(self.replay_capacity, self.replay_rows)
 
 
 class Reinforce(Algorithm):
@@ -72,7 +58,9 @@ class Reinforce(Algorithm):
         super().__init__(**options)
         self.agents: dict[str, int] = {}  # agent id -> segment of the running statistics
         self.moments: RunningMoments | None = None
-        self.buffer: deque[Experience] = deque(maxlen=max(1, self.options.replay_capacity))
+        from palestra.rl.replay import ReplayBuffer
+
+        self.replay = ReplayBuffer(self.options.replay_capacity, self.options.replay_rows)
 
     # ---- advantages -------------------------------------------------------------------------------------
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
@@ -129,19 +117,10 @@ class Reinforce(Algorithm):
 
     # ---- replay -------------------------------------------------------------------------------------------
     def batch_for_update(self, batch: Experience) -> Experience:
-        import torch
-
-        o = self.options
-        if o.replay_capacity == 0 or not self.buffer:
-            return batch
-        stored = Experience.concat(list(self.buffer), pad_token_id=self.policy.tokenizer.pad_token_id)
-        k = min(o.replay_rows, stored.batch_size)
-        picked = stored.select(torch.randperm(stored.batch_size, generator=self.shuffle_generator)[:k])
-        return Experience.concat([replay_rows(batch), picked], pad_token_id=self.policy.tokenizer.pad_token_id)
+        return self.replay.mix(batch, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
 
     def after_update(self, batch: Experience) -> None:
-        if self.options.replay_capacity > 0:
-            self.buffer.append(replay_rows(batch))
+        self.replay.add(batch)
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def loss(self, policy: Any, batch: Experience):
@@ -166,7 +145,7 @@ class Reinforce(Algorithm):
         return {
             "agents": list(self.agents),
             "moments": self.moments.state_dict() if self.moments is not None else None,
-            "buffer": [{**{k: getattr(b, k) for k in _REPLAY_FIELDS}, "agent_ids": list(b.agent_ids)} for b in self.buffer],
+            "buffer": self.replay.state(),
         }
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -179,9 +158,7 @@ class Reinforce(Algorithm):
         if state["moments"] is not None:
             self.moments = RunningMoments(num_segments=len(self.agents), device=state["moments"]["count"].device)
             self.moments.load_state_dict(state["moments"])
-        self.buffer.clear()
-        for rows in state["buffer"]:
-            self.buffer.append(Experience(**{k: rows[k].clone() for k in _REPLAY_FIELDS}, agent_ids=list(rows["agent_ids"])))
+        self.replay.load(state["buffer"])
 
 
 @hookimpl
