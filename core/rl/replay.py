@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from palestra.types import Experience
+
+if TYPE_CHECKING:
+    import torch
+
+# No torch at import time: options classes import check_replay_options while a config is only being read
+# (`palestra config show` must stay light); the buffer's methods import it when they run.
 
 __all__ = ["ReplayBuffer", "check_replay_options"]
 
@@ -70,6 +74,8 @@ class ReplayBuffer:
         itself when nothing is stored."""
         if not self.enabled or not self.batches:
             return batch
+        import torch
+
         stored = Experience.concat(list(self.batches), pad_token_id=pad_token_id)
         k = min(self.rows, stored.batch_size)
         picked = stored.select(torch.randperm(stored.batch_size, generator=generator)[:k])
