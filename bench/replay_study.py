@@ -29,6 +29,14 @@ VARIANTS: dict[str, list[str]] = {
     "c8r64": ["optimizer.options.replay_capacity=8", "optimizer.options.replay_rows=64"],
     "c4r128_is2": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=128",
                    "optimizer.options.replay_is_clip=2.0"],
+    # the GRPO family: only rows with a non-zero advantage are kept (replay_informative_only)
+    "c4r128i": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=128",
+                "optimizer.options.replay_informative_only=true"],
+    "c16r128i": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=128",
+                 "optimizer.options.replay_informative_only=true"],
+    "c16r512": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=512"],
+    "c16r512i": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=512",
+                 "optimizer.options.replay_informative_only=true"],
 }
 
 

@@ -59,6 +59,7 @@ _LAZY = {
     "TrainContext": "palestra.context",
     "Algorithm": "palestra.engine.learner",
     "AlgorithmOptions": "palestra.engine.learner",
+    "ReplayOptions": "palestra.engine.learner",
     "ParamGroup": "palestra.engine.learner",
     "CausalLMPolicy": "palestra.models.policy",
     "TokenScores": "palestra.models.policy",

@@ -54,7 +54,9 @@ from palestra.types import Experience, GradientCheckpointing
 if TYPE_CHECKING:  # torch is imported where it is used, so that loading the optimizer plugins stays light
     import torch
 
-__all__ = ["Algorithm", "AlgorithmOptions", "ParamGroup", "agent_rows", "check_option", "token_weights", "update_ratio"]
+    from palestra.rl.replay import ReplayBuffer
+
+__all__ = ["Algorithm", "AlgorithmOptions", "ParamGroup", "ReplayOptions", "agent_rows", "check_option", "token_weights", "update_ratio"]
 
 log = logging.getLogger("palestra.engine.learner")
 
@@ -78,6 +80,24 @@ class AlgorithmOptions:
     # diagnostics_every-th update; 0: never. The group-tie ones are cheap and logged on every update.
     diagnostics_every: int = option(50, ge=0)
     diagnostics_tie_std: float = option(1e-2, ge=0)  # a group whose reward std is at most this counts as tied
+
+
+@dataclass
+class ReplayOptions(AlgorithmOptions):
+    """:class:`AlgorithmOptions` plus experience replay (:mod:`palestra.rl.replay`). An algorithm opts in to replay
+    by deriving its options from this class; the learner then keeps the buffer, mixes it into every update
+    (:meth:`Algorithm.batch_for_update`) and checkpoints it."""
+
+    replay_capacity: int = option(0, ge=0)  # batches kept for replay; 0: no replay
+    replay_rows: int = option(0, ge=0)  # replayed rows added to every update
+    # Keep only rows whose advantage is not 0: a tied group's rows carry no policy gradient, and on a hard task
+    # (most groups all wrong) they would fill most of the draw.
+    replay_informative_only: bool = False
+
+    def __post_init__(self) -> None:
+        from palestra.rl.replay import check_replay_options
+
+        check_replay_options(self.replay_capacity, self.replay_rows)
 
 
 @dataclass
@@ -127,6 +147,12 @@ class Algorithm:
         self.master: Any = None  # palestra.scale.offload.CPUMasterWeights under train.offload_optimizer
         # train.auto_micro_batch: the highest token budget known to fit (lowered by each out-of-memory back-off).
         self.auto_budget_cap: int | None = None
+        self.replay: ReplayBuffer | None = None  # options derived from ReplayOptions, with replay_capacity > 0
+        o = self.options
+        if isinstance(o, ReplayOptions) and o.replay_capacity > 0:
+            from palestra.rl.replay import ReplayBuffer
+
+            self.replay = ReplayBuffer(o.replay_capacity, o.replay_rows, informative_only=o.replay_informative_only)
 
     # ---- what subclasses provide -------------------------------------------------------------------
     @property
@@ -170,12 +196,20 @@ class Algorithm:
         return {}
 
     def extra_state(self) -> dict[str, Any]:
-        """State of the subclass beyond optimisers, schedules and shuffling (running moments, a replay buffer)."""
-        return {}
+        """State beyond optimisers, schedules and shuffling: the replay buffer here; a subclass adds its own (running
+        moments, a critic's statistics) to ``super().extra_state()``."""
+        return {"replay": self.replay.state()} if self.replay is not None else {}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        if state:
-            raise KeyError(f"{self.name}.load_state_dict: unexpected extra state keys {sorted(state)}")
+        """Restore :meth:`extra_state`; a subclass takes its own keys out and passes the rest here."""
+        rest = dict(state)
+        if self.replay is not None:
+            if "replay" not in rest:
+                raise KeyError(f"{self.name}.load_state_dict: replay is on but the checkpoint has no replay buffer "
+                               f"(extra state keys {sorted(state)})")
+            self.replay.load(rest.pop("replay"))
+        if rest:
+            raise KeyError(f"{self.name}.load_state_dict: unexpected extra state keys {sorted(rest)}")
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def setup(self, policy: Any, context: TrainContext | Any, *, reference: Any = None) -> None:
@@ -412,11 +446,15 @@ class Algorithm:
 
     # ---- the update --------------------------------------------------------------------------------------
     def batch_for_update(self, batch: Experience) -> Experience:
-        """The rows one update trains on (a replay buffer adds old rows here)."""
-        return batch
+        """The rows one update trains on: ``batch``, plus replayed rows when replay is on."""
+        if self.replay is None:
+            return batch
+        return self.replay.mix(batch, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
 
     def after_update(self, batch: Experience) -> None:
-        """Called once an update on ``batch`` (the fresh rows) is done."""
+        """Called once an update on ``batch`` (the fresh rows) is done: they join the replay buffer."""
+        if self.replay is not None:
+            self.replay.add(batch)
 
     def micro_weights(self, batch: Experience, chunks: Sequence[torch.Tensor]) -> list[float]:
         """Each micro-batch's share of the pass: tokens for ``token_mean``, rows otherwise (sums to 1)."""

@@ -6,9 +6,15 @@ behaviour log-probs it was sampled with (the importance ratio's denominator), it
 computed in its own batch, and the frozen reference's log-probs when the KL term needs them (the reference never
 changes, so they stay valid). Value targets are never replayed: they go stale with the critic.
 
-The algorithm decides how a stale row is corrected: REINFORCE truncates ``pi / mu`` at ``replay_is_clip``; the
-GRPO family's clipped surrogate already zeroes the gradient of a row whose ratio left the clip range in the
-direction its advantage pushes (docs/learning.md measures what replay buys).
+An algorithm opts in by deriving its options from :class:`palestra.engine.learner.ReplayOptions`; the learner then
+builds the buffer, mixes it into every update and checkpoints it. The algorithm decides how a stale row is
+corrected: REINFORCE truncates ``pi / mu`` at ``replay_is_clip``; the GRPO family's clipped surrogate already zeroes
+the gradient of a row whose ratio left the clip range in the direction its advantage pushes (docs/learning.md
+measures what replay buys).
+
+``informative_only`` keeps only rows whose advantage is not 0. In a group-relative algorithm every row of a tied
+group (all right, or all wrong) has advantage 0: replayed, it adds nothing but its entropy term, and on a hard task
+where most groups tie it crowds the informative rows out of the draw.
 """
 
 from __future__ import annotations
@@ -43,43 +49,64 @@ def check_replay_options(capacity: int, rows: int) -> None:
                                f"replay_rows={rows}")
 
 
+def replay_fields(batch: Experience, *, copy: bool) -> Experience:
+    """``batch`` with only the fields a replayed row keeps (detached; cloned with ``copy``, else sharing storage)."""
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if copy else t.detach()
+
+    ref = batch.ref_logprobs
+    return Experience(**{k: keep(getattr(batch, k)) for k in FIELDS}, agent_ids=list(batch.agent_ids),
+                      ref_logprobs=None if ref is None else keep(ref))
+
+
 class ReplayBuffer:
     """The rows of the last ``capacity`` batches; :meth:`mix` adds ``rows`` of them, drawn uniformly without
     replacement, to a fresh batch. Its state (:meth:`state`, :meth:`load`) goes into the algorithm's checkpoint, so
     that a resumed run replays exactly what the uninterrupted one would have."""
 
-    def __init__(self, capacity: int, rows: int) -> None:
-        self.capacity, self.rows = capacity, rows
-        self.batches: deque[Experience] = deque(maxlen=max(1, capacity))
+    def __init__(self, capacity: int, rows: int, *, informative_only: bool = False) -> None:
+        if capacity < 1 or rows < 1:
+            raise ValueError(f"ReplayBuffer: capacity and rows must be >= 1, got capacity={capacity}, rows={rows}")
+        self.capacity, self.rows, self.informative_only = capacity, rows, informative_only
+        self.batches: deque[Experience] = deque(maxlen=capacity)
 
     @property
-    def enabled(self) -> bool:
-        return self.capacity > 0 and self.rows > 0
-
-    @staticmethod
-    def stored_rows(batch: Experience) -> Experience:
-        """A detached copy of ``batch`` with only what replay needs."""
-        kept = {k: getattr(batch, k).detach().clone() for k in FIELDS}
-        ref = batch.ref_logprobs
-        return Experience(**kept, agent_ids=list(batch.agent_ids),
-                          ref_logprobs=None if ref is None else ref.detach().clone())
+    def stored_rows(self) -> int:
+        return sum(b.batch_size for b in self.batches)
 
     def add(self, batch: Experience) -> None:
-        """Keep ``batch``'s rows (the oldest batch goes once ``capacity`` are kept)."""
-        if self.enabled:
-            self.batches.append(self.stored_rows(batch))
+        """Keep ``batch``'s rows (with ``informative_only``, those whose advantage is not 0); the oldest batch goes
+        once ``capacity`` are kept. A batch with no informative row still takes its place in the window."""
+        kept = replay_fields(batch, copy=True)
+        if self.informative_only:
+            import torch
+
+            informative = kept.advantages.reshape(kept.batch_size, -1).ne(0).any(-1)
+            kept = kept.select(torch.nonzero(informative).flatten())
+        self.batches.append(kept)
 
     def mix(self, batch: Experience, generator: torch.Generator, *, pad_token_id: int) -> Experience:
         """``batch``'s rows followed by up to ``rows`` stored rows (all re-padded with ``pad_token_id``); ``batch``
-        itself when nothing is stored."""
-        if not self.enabled or not self.batches:
+        itself when nothing is stored.
+
+        The draw is a permutation of all stored rows (so its use of ``generator`` depends only on their number);
+        only the picked rows are gathered, batch by batch, rather than the whole buffer.
+        """
+        total = self.stored_rows
+        if total == 0:
             return batch
         import torch
 
-        stored = Experience.concat(list(self.batches), pad_token_id=pad_token_id)
-        k = min(self.rows, stored.batch_size)
-        picked = stored.select(torch.randperm(stored.batch_size, generator=generator)[:k])
-        return Experience.concat([self.stored_rows(batch), picked], pad_token_id=pad_token_id)
+        picked = torch.randperm(total, generator=generator)[: self.rows].sort().values
+        pieces, start = [], 0
+        for stored in self.batches:
+            end = start + stored.batch_size
+            lo, hi = torch.searchsorted(picked, torch.tensor([start, end])).tolist()
+            if hi > lo:
+                pieces.append(stored.select(picked[lo:hi] - start))
+            start = end
+        return Experience.concat([replay_fields(batch, copy=False), *pieces], pad_token_id=pad_token_id)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state(self) -> list[dict[str, Any]]:
@@ -96,4 +123,4 @@ class ReplayBuffer:
         for rows in state:
             ref = rows.get("ref_logprobs")
             self.batches.append(Experience(**{k: rows[k].clone() for k in FIELDS}, agent_ids=list(rows["agent_ids"]),
-                                           ref_logprobs=None if ref is None else ref.clone()))
+                                           ref_logprobs=None if ref is None else rows["ref_logprobs"].clone()))

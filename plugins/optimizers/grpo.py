@@ -17,15 +17,14 @@ DAPO, GSPO and CISPO build on :class:`GRPO` (its advantages, a different loss): 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any, Literal
 
-from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra import Algorithm, Experience, ReplayOptions, hookimpl, option
 from palestra.rl import KLEstimator, LossAgg
 
 
 @dataclass
-class GRPOOptions(AlgorithmOptions):
+class GRPOOptions(ReplayOptions):
     beta: float = option(0.0, ge=0)  # KL coefficient to the frozen reference; 0: no reference model
     kl_estimator: KLEstimator = "k3"  # Schulman's estimator for the KL term (k3: unbiased, >= 0)
     clip_eps: float = option(0.2, gt=0, lt=1)  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high]
@@ -33,15 +32,8 @@ class GRPOOptions(AlgorithmOptions):
     scale: Literal["group", "batch", "none"] = "group"  # divide centred rewards by the group's / batch's std, or not
     std_eps: float = option(1e-4, gt=0)  # added to the std (a group of equal rewards gives 0, not NaN)
     loss_agg: LossAgg = "token_mean"
-    # Replay (palestra.rl.replay): the rows of the last replay_capacity batches are kept and replay_rows of them join
-    # every update; the clipped ratio against each row's behaviour log-probs corrects (and bounds) their staleness.
-    replay_capacity: int = option(0, ge=0)  # batches kept for replay; 0: no replay
-    replay_rows: int = option(0, ge=0)  # replayed rows added to every update
-
-    def __post_init__(self) -> None:
-        from palestra.rl.replay import check_replay_options
-
-        check_replay_options(self.replay_capacity, self.replay_rows)
+    # Replay (ReplayOptions: replay_capacity, replay_rows, replay_informative_only): a replayed row keeps its
+    # advantage and behaviour log-probs; the clipped ratio against the latter corrects (and bounds) its staleness.
 
 
 @dataclass
@@ -56,12 +48,6 @@ class GRPO(Algorithm):
     name = "grpo"
     Options = GRPOOptions
     options: GRPOOptions
-
-    def __init__(self, **options: Any) -> None:
-        from palestra.rl.replay import ReplayBuffer
-
-        super().__init__(**options)
-        self.replay = ReplayBuffer(self.options.replay_capacity, self.options.replay_rows)
 
     @property
     def needs_reference(self) -> bool:
@@ -88,23 +74,6 @@ class GRPO(Algorithm):
 
     def loss(self, policy: Any, batch: Experience):
         return self.clipped_loss(policy, batch, kl_coef=self.options.beta)
-
-    # ---- replay ---------------------------------------------------------------------------------------------
-    def batch_for_update(self, batch: Experience) -> Experience:
-        return self.replay.mix(batch, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
-
-    def after_update(self, batch: Experience) -> None:
-        self.replay.add(batch)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"replay": self.replay.state()} if self.replay.enabled else {}
-
-    def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        if not self.replay.enabled:
-            return super().load_extra_state(state)
-        if set(state) != {"replay"}:
-            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected replay")
-        self.replay.load(state["replay"])
 
 
 class DrGRPO(GRPO):

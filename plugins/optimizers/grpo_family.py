@@ -69,7 +69,7 @@ class DAPO(GRPO):
 
     def on_setup(self, policy: Any) -> None:
         super().on_setup(policy)
-        if self.replay.enabled:
+        if self.replay is not None:
             from palestra.config import ConfigError
 
             raise ConfigError(

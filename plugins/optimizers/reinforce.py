@@ -15,8 +15,8 @@ for staleness, with the truncation bounding the variance.
 Replay: with ``replay_capacity > 0`` the last ``replay_capacity`` batches (their rows and the
 advantages they had) are kept, and every update adds ``replay_rows`` rows drawn uniformly without
 replacement from them (by the algorithm's generator, so runs repeat and checkpoints resume exactly).
-A batch joins the buffer after its own update (:class:`palestra.rl.replay.ReplayBuffer`, which the GRPO family
-shares). ``policy/clip_frac`` reports the fraction of tokens whose weight was truncated.
+A batch joins the buffer after its own update (the learner's :class:`palestra.rl.replay.ReplayBuffer`, which the
+GRPO family shares). ``policy/clip_frac`` reports the fraction of tokens whose weight was truncated.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from palestra import Algorithm, AlgorithmOptions, Experience, hookimpl, option
+from palestra import Algorithm, Experience, ReplayOptions, hookimpl, option
 
 if TYPE_CHECKING:
     import torch
@@ -33,18 +33,11 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ReinforceOptions(AlgorithmOptions):
+class ReinforceOptions(ReplayOptions):
     normalize: bool = True  # running per-agent reward normalisation (else the raw rewards)
     norm_clip: float | None = option(5.0, gt=0)  # normalised rewards clipped to +-norm_clip; None: no clipping
     baseline: Literal["none", "batch", "group"] = "none"  # also subtract the batch's / the group's mean
-    replay_capacity: int = option(0, ge=0)  # batches kept for replay; 0: no replay
-    replay_rows: int = option(0, ge=0)  # replayed rows added to every update
     replay_is_clip: float = option(1.0, gt=0)  # truncation c of the importance weight min(pi/mu, c)
-
-    def __post_init__(self) -> None:
-        from palestra.rl.replay import check_replay_options
-
-        check_replay_options(self.replay_capacity, self.replay_rows)
 
 
 class Reinforce(Algorithm):
@@ -58,9 +51,6 @@ class Reinforce(Algorithm):
         super().__init__(**options)
         self.agents: dict[str, int] = {}  # agent id -> segment of the running statistics
         self.moments: RunningMoments | None = None
-        from palestra.rl.replay import ReplayBuffer
-
-        self.replay = ReplayBuffer(self.options.replay_capacity, self.options.replay_rows)
 
     # ---- advantages -------------------------------------------------------------------------------------
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
@@ -115,13 +105,6 @@ class Reinforce(Algorithm):
         batch.advantages = r
         return batch
 
-    # ---- replay -------------------------------------------------------------------------------------------
-    def batch_for_update(self, batch: Experience) -> Experience:
-        return self.replay.mix(batch, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
-
-    def after_update(self, batch: Experience) -> None:
-        self.replay.add(batch)
-
     # ---- loss ------------------------------------------------------------------------------------------------
     def loss(self, policy: Any, batch: Experience):
         o = self.options
@@ -142,23 +125,26 @@ class Reinforce(Algorithm):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {
-            "agents": list(self.agents),
-            "moments": self.moments.state_dict() if self.moments is not None else None,
-            "buffer": self.replay.state(),
-        }
+        return {**super().extra_state(), "agents": list(self.agents),
+                "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         from palestra.kernels import RunningMoments
 
-        if set(state) != {"agents", "moments", "buffer"}:
-            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments, buffer")
+        if not {"agents", "moments"} <= set(state):
+            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments")
+        rest = {k: v for k, v in state.items() if k not in ("agents", "moments")}
+        # Checkpoints written before replay moved to the learner kept the buffer, empty or not, under "buffer".
+        if "buffer" in rest:
+            buffer = rest.pop("buffer")
+            if buffer or self.replay is not None:
+                rest["replay"] = buffer
+        super().load_extra_state(rest)
         self.agents = {a: i for i, a in enumerate(state["agents"])}
         self.moments = None
         if state["moments"] is not None:
             self.moments = RunningMoments(num_segments=len(self.agents), device=state["moments"]["count"].device)
             self.moments.load_state_dict(state["moments"])
-        self.replay.load(state["buffer"])
 
 
 @hookimpl

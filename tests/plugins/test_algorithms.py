@@ -457,8 +457,90 @@ def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipp
         dapo.setup(ToyPolicy(), train_config())
 
 
+def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_informative_rows_only_when_asked():
+    from palestra.rl.replay import ReplayBuffer
+    from palestra.types import Experience
+
+    policy = ToyPolicy()
+    algo = build("grpo")
+    algo.setup(policy, train_config())
+    # three stored batches of different completion widths, then a fresh one; rewards with one tied group each
+    batches = [algo.prepare(shifted_batch(policy, seed=s, lengths=lengths, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
+               for s, lengths in ((1, [2, 3, 3, 1, 2, 3]), (2, [4, 5, 5, 3, 4, 4]), (3, [1, 1, 2, 1, 1, 1]))]
+    fresh = algo.prepare(shifted_batch(policy, seed=4))
+    pad = policy.tokenizer.pad_token_id
+
+    buffer = ReplayBuffer(2, 5)
+    for b in batches:
+        buffer.add(b)
+    assert buffer.stored_rows == 12  # capacity 2: the first batch is gone
+    mixed = buffer.mix(fresh, torch.Generator().manual_seed(7), pad_token_id=pad)
+    # the same rows as drawing from the whole buffer concatenated (the draw is a permutation of all stored rows)
+    whole = Experience.concat(list(buffer.batches), pad_token_id=pad)
+    want = torch.randperm(12, generator=torch.Generator().manual_seed(7))[:5].sort().values
+    expect = whole.select(want)
+    assert mixed.batch_size == 6 + 5
+    assert torch.equal(mixed.completion_ids[:6, : fresh.completion_ids.shape[1]], fresh.completion_ids)
+    width = expect.completion_ids.shape[1]
+    assert torch.equal(mixed.completion_ids[6:, :width], expect.completion_ids)
+    assert not mixed.completion_mask[6:, width:].any()
+    assert torch.equal(mixed.advantages[6:], expect.advantages)
+    assert torch.equal(mixed.behaviour_logprobs[6:, :width], expect.behaviour_logprobs)
+    assert mixed.agent_ids[6:] == expect.agent_ids
+    assert torch.equal(ReplayBuffer(1, 3).mix(fresh, torch.Generator(), pad_token_id=pad).completion_ids, fresh.completion_ids)
+
+    # informative_only: the tied group's rows (advantage exactly 0) are not kept; its batch still counts in the window.
+    # (A row whose reward equals its group's mean has advantage 0 too, and is dropped the same way.)
+    informative = ReplayBuffer(2, 100, informative_only=True)
+    for b in batches:
+        informative.add(b)
+    assert [b.batch_size for b in informative.batches] == [3, 3]
+    assert all(bool(b.advantages.ne(0).all()) for b in informative.batches)
+    kept = informative.mix(fresh, torch.Generator(), pad_token_id=pad)
+    assert kept.batch_size == 6 + 6
+    assert sorted(kept.rewards[6:].tolist()) == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]  # the untied group of each batch
+
+
+def test_replay_informative_only_is_an_option_and_checkpoints_keep_the_buffer():
+    policy = ToyPolicy()
+    algo = build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True)
+    algo.setup(policy, train_config())
+    batch = algo.prepare(shifted_batch(policy, seed=1, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
+    algo.update(policy, batch)
+    assert algo.replay is not None and algo.replay.stored_rows == 3
+    state = algo.extra_state()
+    assert set(state) == {"replay"}
+    again = build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True)
+    again.setup(policy, train_config())
+    again.load_extra_state(state)
+    assert torch.equal(again.replay.batches[0].completion_ids, algo.replay.batches[0].completion_ids)
+    with pytest.raises(KeyError, match="replay is on but the checkpoint has no replay buffer"):
+        again.load_extra_state({})
+    assert build("grpo").replay is None and build("grpo").extra_state() == {}
+
+
+def test_reinforce_loads_a_checkpoint_that_kept_its_buffer_under_the_old_key():
+    policy = ToyPolicy()
+    algo = build("reinforce", replay_capacity=2, replay_rows=3)
+    algo.setup(policy, train_config())
+    algo.update(policy, algo.prepare(shifted_batch(policy, seed=1)))
+    state = algo.extra_state()
+    assert set(state) == {"replay", "agents", "moments"}
+    old = {"agents": state["agents"], "moments": state["moments"], "buffer": state["replay"]}
+    again = build("reinforce", replay_capacity=2, replay_rows=3)
+    again.setup(policy, train_config())
+    again.load_extra_state(old)
+    assert again.replay.stored_rows == 6
+    plain = build("reinforce")  # replay off: an old checkpoint's empty buffer loads, a full one is refused
+    plain.setup(policy, train_config())
+    plain.load_extra_state({**old, "buffer": []})
+    with pytest.raises(KeyError, match="unexpected extra state keys"):
+        plain.load_extra_state(old)
+
+
 # ---- every algorithm: checkpoints and gradient accumulation ----------------------------------------------------
-OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}, "grpo": {"replay_capacity": 2, "replay_rows": 3}}
+OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}, "grpo": {"replay_capacity": 2, "replay_rows": 3},
+           "dr_grpo": {"replay_capacity": 2, "replay_rows": 3, "replay_informative_only": True}}
 
 
 def _setup(name: str, seed: int = 0, **train):
