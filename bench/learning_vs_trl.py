@@ -7,8 +7,9 @@ Both sides train, from the same random weights (one folder, read by both), a 2-l
 17-token character vocabulary (``0-9 + = space`` and four specials), built here (nothing is downloaded), on the
 ``arithmetic`` environment's prompts (``a + b =`` with operands 0..4: 25 facts) with the same sparse reward:
 1.0 when the completion is exactly the sum (Palestra's ``correctness`` reward with ``tag: null``, called by both
-sides), else 0. Both generate ``--new-tokens`` tokens (default 1: the answer digit; a random model's first token
-is the right digit about 1 time in 17). Same batch (``--batch`` prompts x ``--group`` completions), steps,
+sides), else 0. Both generate ``--new-tokens`` tokens (default: as many as the largest sum has digits, so that every
+answer can be written; 1 for the 25 facts, where a random model's first token is the right digit about 1 time in 17,
+and 2 for ``--max-operand 9``, the 100 facts, where a one-digit answer must be followed by EOS). Same batch (``--batch`` prompts x ``--group`` completions), steps,
 sampling (temperature 1, no top-p / top-k), optimiser (AdamW, no weight decay, gradient norm clipped at 1),
 learning rate (``--lr``), clip range 0.2 and no KL term.
 
@@ -16,6 +17,12 @@ What differs is each library's GRPO as its user would run it: TRL's defaults (``
 ``scale_rewards="group"``), and Palestra's GRPO as ``examples/grpo.yaml`` sets it (see docs/learning.md);
 ``--palestra-set`` / ``--trl-scale`` change either side. The figure is the mean training reward over the last
 ``--window`` steps, per side and seed, and their ratio; ``--plot`` draws both reward curves (moving average).
+
+``--variant LABEL KEY=VALUE ...`` (repeatable) runs several Palestra settings against the same TRL runs, seed by
+seed, in one invocation (each on top of ``--palestra-set``); the ratios are then all from the same run:
+
+    python bench/learning_vs_trl.py --steps 300 --max-operand 9 --seeds 0 1 2 --variant none \
+        --variant replay_4x128 optimizer.options.replay_capacity=4 optimizer.options.replay_rows=128
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def environment_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- Palestra -----------------------------------------------------------------------------------------
-def run_palestra(args: argparse.Namespace, folder: Path, seed: int, work: Path) -> list[float]:
+def run_palestra(args: argparse.Namespace, folder: Path, seed: int, work: Path, variant: list[str]) -> list[float]:
     import torch
 
     from palestra.config import load_config
@@ -80,7 +87,7 @@ def run_palestra(args: argparse.Namespace, folder: Path, seed: int, work: Path) 
         "policy.name=hf", f"policy.options.path={folder}", "policy.options.dtype=float32",
         f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.group_size={args.group}",
         f"train.lr={args.lr}", f"train.max_new_tokens={args.new_tokens}", "train.temperature=1.0",
-        "train.device=cpu", "train.eval_size=16", *args.palestra_set,
+        "train.device=cpu", "train.eval_size=16", *args.palestra_set, *variant,
     ])
     torch.set_num_threads(1)
     trainer = Trainer(config, run_dir=work / "palestra")
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=16, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
-    p.add_argument("--new-tokens", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default: the largest sum's digits)")
     p.add_argument("--max-operand", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden", type=int, default=64)
@@ -153,9 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--palestra-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for Palestra's side")
     p.add_argument("--trl-scale", default="group", choices=["group", "batch", "none"], help="TRL's scale_rewards")
     p.add_argument("--sides", nargs="+", default=["palestra", "trl"], choices=["palestra", "trl"])
+    p.add_argument("--variant", nargs="+", action="append", default=None, metavar="LABEL [KEY=VALUE ...]",
+                   help="a labelled Palestra setting (repeatable); default: one, 'palestra', with --palestra-set only")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
+    digits = len(str(2 * args.max_operand))  # the largest sum's; one token per character
+    if args.new_tokens is None:
+        args.new_tokens = digits
+    elif args.new_tokens < digits:
+        p.error(f"--new-tokens {args.new_tokens}: the largest sum, {2 * args.max_operand}, needs {digits} tokens; "
+                f"with fewer, the answers of {digits} digits can never be right and the reward has a ceiling below 1")
+    variants = {v[0]: v[1:] for v in args.variant} if args.variant else {"palestra": []}
 
     import torch
 
@@ -165,22 +181,36 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         folder = work / "model"
         build_model(folder, hidden=args.hidden, layers=args.layers, seed=0)
+        runs = [("trl", None)] if "trl" in args.sides else []
+        if "palestra" in args.sides:
+            runs = [(label, overrides) for label, overrides in variants.items()] + runs
         for seed in args.seeds:
-            for side in args.sides:
+            for label, overrides in runs:
                 started = time.perf_counter()
-                run = run_palestra if side == "palestra" else run_trl
-                curve = run(args, folder, seed, work / f"{side}{seed}")
+                if overrides is None:
+                    curve = run_trl(args, folder, seed, work / f"trl{seed}")
+                else:
+                    curve = run_palestra(args, folder, seed, work / f"{label}{seed}", overrides)
                 seconds = time.perf_counter() - started
                 last = statistics.fmean(curve[-args.window:])
-                results["runs"].append({"side": side, "seed": seed, "last_mean": last, "seconds": seconds, "curve": curve})
-                print(f"{side:<9} seed {seed}: mean reward over the last {args.window} of {len(curve)} steps "
+                results["runs"].append({"side": label, "seed": seed, "last_mean": last, "seconds": seconds,
+                                        "overrides": overrides, "curve": curve})
+                print(f"{label:<14} seed {seed}: mean reward over the last {args.window} of {len(curve)} steps "
                       f"{last:.3f} (first {args.window}: {statistics.fmean(curve[:args.window]):.3f}); {seconds:.0f} s",
                       flush=True)
-    by = {s: [r["last_mean"] for r in results["runs"] if r["side"] == s] for s in args.sides}
-    if len(by) == 2 and all(by.values()):
-        ratio = statistics.fmean(by["palestra"]) / max(statistics.fmean(by["trl"]), 1e-9)
-        results["ratio"] = ratio
-        print(f"palestra / trl (mean over seeds of the last-{args.window} mean reward): {ratio:.2f}x")
+    by = {label: [r["last_mean"] for r in results["runs"] if r["side"] == label] for label, _ in runs}
+    if "trl" in by and len(by) > 1:
+        trl_mean = statistics.fmean(by["trl"])
+        results["ratios"] = {}
+        print(f"| side | {' / '.join(f'seed {s}' for s in args.seeds)} | mean | / TRL | seconds per run |")
+        print("| --- | --- | --- | --- | --- |")
+        for label, lasts in by.items():
+            ratio = statistics.fmean(lasts) / max(trl_mean, 1e-9)
+            if label != "trl":
+                results["ratios"][label] = ratio
+            secs = statistics.fmean(r["seconds"] for r in results["runs"] if r["side"] == label)
+            print(f"| {label} | {' / '.join(f'{x:.3f}' for x in lasts)} | {statistics.fmean(lasts):.3f} | "
+                  f"{ratio:.2f}x | {secs:.0f} |")
     import transformers
     import trl
 
@@ -193,23 +223,32 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str))
     if args.plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for r in results["runs"]:
-            ax.plot(moving_average(r["curve"], 20), label=f"{r['side']} seed {r['seed']}",
-                    color="tab:blue" if r["side"] == "palestra" else "tab:orange", alpha=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training reward (moving average of 20)")
-        ax.set_title(f"GRPO on 25 sums, random {args.layers}-layer Llama, lr {args.lr:g}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        facts = (args.max_operand + 1) ** 2
+        plot(results["runs"], args.plot, f"GRPO on {facts} sums, random {args.layers}-layer Llama, lr {args.lr:g}")
     return 0
 
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training reward against steps (moving average of 20): one colour per side, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = list(dict.fromkeys(r["side"] for r in runs))
+    palette = iter(["tab:blue", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    colours = {side: "black" if side == "trl" else next(palette, "tab:gray") for side in sides}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        first = r is next(x for x in runs if x["side"] == r["side"])
+        ax.plot(moving_average(r["curve"], 20), color=colours[r["side"]], alpha=0.8, linewidth=1,
+                label=r["side"] if first else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training reward (moving average of 20)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 if __name__ == "__main__":
     sys.exit(main())
