@@ -99,13 +99,11 @@ class ReplayBuffer:
         import torch
 
         picked = torch.randperm(total, generator=generator)[: self.rows].sort().values
-        pieces, start = [], 0
-        for stored in self.batches:
-            end = start + stored.batch_size
-            lo, hi = torch.searchsorted(picked, torch.tensor([start, end])).tolist()
-            if hi > lo:
-                pieces.append(stored.select(picked[lo:hi] - start))
-            start = end
+        sizes = torch.tensor([0] + [b.batch_size for b in self.batches])
+        starts = sizes.cumsum(0)  # starts[i]: the first row of stored batch i; starts[-1] == total
+        cuts = torch.searchsorted(picked, starts).tolist()  # picked[cuts[i]:cuts[i + 1]] fall in batch i
+        pieces = [stored.select(picked[lo:hi] - int(starts[i]))
+                  for i, (stored, lo, hi) in enumerate(zip(self.batches, cuts, cuts[1:])) if hi > lo]
         return Experience.concat([replay_fields(batch, copy=False), *pieces], pad_token_id=pad_token_id)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
@@ -123,4 +121,4 @@ class ReplayBuffer:
         for rows in state:
             ref = rows.get("ref_logprobs")
             self.batches.append(Experience(**{k: rows[k].clone() for k in FIELDS}, agent_ids=list(rows["agent_ids"]),
-                                           ref_logprobs=None if ref is None else rows["ref_logprobs"].clone()))
+                                           ref_logprobs=None if ref is None else ref.clone()))
