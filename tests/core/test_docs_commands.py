@@ -439,7 +439,7 @@ def test_the_test_command_block_is_where_ci_reads_it() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     marker = lines.index("<!-- test-command -->")
     assert lines[marker + 1] == "```bash"
-    assert "python -m pytest" in lines[marker + 2] and lines[marker + 3] == "```"
+    assert lines[marker + 2].endswith("&& pytest -q") and lines[marker + 3] == "```"
 
 
 def test_the_checker_catches_mistakes() -> None:
