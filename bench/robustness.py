@@ -1,6 +1,6 @@
 """Every tiny example config x seeds on the built-in task: final held-out reward and correctness, fraction of max, time.
 
-    python bench/robustness.py                                   # the nine examples + the default, seeds 0 1 2
+    python bench/robustness.py                                   # the ten tiny examples + the default, seeds 0 1 2
     python bench/robustness.py --configs grpo ppo --seeds 0 1 --set train.steps=300
     python bench/robustness.py --out bench/results/robustness.json
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ("grpo", "ppo", "reinforce", "rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo")
+EXAMPLES = ("grpo", "ppo", "reinforce", "rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo", "hundred_facts")
 CONFIGS = (*EXAMPLES, "default")
 
 # The built-in sums with the answer as the first and only completion token, scored by exact correctness (no tag,

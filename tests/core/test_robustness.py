@@ -7,8 +7,10 @@ policy that ignores the question and always answers the most frequent sum: the p
   optimiser on the built-in sums with the answer as the first and only completion token, scored by exact
   correctness. This is where the tiny policy and GRPO learn the 25 sums in a few hundred steps (docs/learning.md,
   hypothesis (g)); a regression in the learner, the advantages or the policy shows here first.
+* ``test_all_100_facts_are_learnt_on_the_tagged_task`` (CI, ~4 min): ``examples/hundred_facts.yaml`` as written,
+  seed 0: the built-in tagged task on all 100 one-digit sums, the issue's hardest goal.
 * ``test_every_example_learns_the_sums_on_the_median_seed`` (``PALESTRA_ROBUSTNESS=1``): every example config and
-  the default run, as written (2000 steps each, 10 configs x 3 seeds, ~80 min on two cores), which is what ``bench/robustness.py``
+  the default run, as written (2000 steps each, 1200 for hundred_facts; 11 configs x 3 seeds, ~95 min on two cores), which is what ``bench/robustness.py``
   measures. It is not in CI: it does not fit the budget. Measured on 2026-12-03 (docs/learning.md, "Examples x seeds"),
   every config's median seed is above the constant-answer level.
 """
@@ -56,7 +58,16 @@ def test_the_answer_alone_is_learnt_on_the_median_seed() -> None:
     assert median >= 0.5 > 2 * chance, f"median held-out correctness {median:.3f} over seeds {SEEDS} (each: {each})"
 
 
-@pytest.mark.skipif(os.environ.get("PALESTRA_ROBUSTNESS") != "1", reason="~80 min: set PALESTRA_ROBUSTNESS=1")
+def test_all_100_facts_are_learnt_on_the_tagged_task() -> None:
+    # Measured 2026-12-03 (1200 steps, docs/learning.md): held-out correctness 0.95 / 0.91 / 0.95 / 0.89 / 0.92 on
+    # seeds 0-4, every seed >= 0.8 by step 1100; the constant answer scores 0.1. One seed keeps CI's time down, and
+    # 0.7 leaves room for another machine's rounding to take another trajectory.
+    result = run_one("hundred_facts", 0)
+    chance = constant_answer_accuracy("hundred_facts")
+    assert result["correctness"] >= 0.7 > 4 * chance, f"held-out correctness {result['correctness']:.3f} on seed 0"
+
+
+@pytest.mark.skipif(os.environ.get("PALESTRA_ROBUSTNESS") != "1", reason="~95 min: set PALESTRA_ROBUSTNESS=1")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_example_learns_the_sums_on_the_median_seed(name: str) -> None:
     median, each = median_correctness(name, [])

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp", "dapo", "gspo", "cispo"]
+HARDER_TASK_EXAMPLES = {"hundred_facts": "grpo"}  # example -> its optimiser: the built-in task, all 100 sums
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
@@ -143,7 +144,7 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: 
 # ---- the example configs --------------------------------------------------------------------------------------
 def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
     assert sorted(p.stem for p in EXAMPLES) == sorted(
-        [*ALGORITHM_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, *DATA_EXAMPLES, *HF_EXAMPLES]
+        [*ALGORITHM_EXAMPLES, *HARDER_TASK_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, *DATA_EXAMPLES, *HF_EXAMPLES]
     )
 
 
@@ -160,9 +161,11 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         assert shown["train"][key] == value, key
     for key, value in written["optimizer"]["options"].items():
         assert shown["optimizer"]["options"][key] == value, key
-    if path.stem in ALGORITHM_EXAMPLES:
-        assert shown["optimizer"]["name"] == path.stem
+    if path.stem in ALGORITHM_EXAMPLES or path.stem in HARDER_TASK_EXAMPLES:
+        assert shown["optimizer"]["name"] == HARDER_TASK_EXAMPLES.get(path.stem, path.stem)
         assert shown["environment"]["name"] == "arithmetic" and shown["policy"]["name"] == "tiny"
+        if path.stem in HARDER_TASK_EXAMPLES:
+            assert shown["environment"]["options"]["max_operand"] is None  # all 100 one-digit sums
         reward = shown["reward"]
         if reward["name"] == "weighted_sum":  # dapo: the layered task reward plus the overlong penalty
             assert [c["name"] for c in reward["options"]["components"]] == ["layered", "overlong"]
@@ -203,7 +206,7 @@ def run_example(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *
     return run_dir
 
 
-@pytest.mark.parametrize("name", ALGORITHM_EXAMPLES)
+@pytest.mark.parametrize("name", [*ALGORITHM_EXAMPLES, *HARDER_TASK_EXAMPLES])
 def test_each_algorithm_example_trains(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A smaller batch keeps this a smoke test; the algorithm and its options are the file's.
     run_example(name, tmp_path, capsys, "train.batch_size=4", "train.group_size=4")
