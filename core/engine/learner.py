@@ -445,6 +445,17 @@ class Algorithm:
         return self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
 
     # ---- the update --------------------------------------------------------------------------------------
+    @property
+    def refill_rounds(self) -> int:
+        """Extra rollouts the trainer may draw in one step while :meth:`groups_short` is above 0 (DAPO's dynamic
+        sampling with refill); 0: every update takes the batch as it was sampled."""
+        return 0
+
+    def groups_short(self, batch: Experience) -> int:
+        """How many more groups with a training signal ``batch`` (this rank's rows so far this step) needs for a full
+        update; the trainer asks only when :attr:`refill_rounds` is above 0."""
+        return 0
+
     def batch_for_update(self, batch: Experience) -> Experience:
         """The rows one update trains on: ``batch``, plus replayed rows when replay is on."""
         if self.replay is None:

@@ -160,11 +160,13 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
 
     # ---- one step --------------------------------------------------------------------------------------
-    def rollout(self, step: int) -> tuple[Rollout, Experience, dict[str, float]]:
-        """Sample and score one batch: ``train.batch_size`` tasks x ``train.group_size`` completions."""
+    def rollout(self, step: int, refill: int = 0) -> tuple[Rollout, Experience, dict[str, float]]:
+        """Sample and score one batch: ``train.batch_size`` tasks x ``train.group_size`` completions (``refill``: the
+        step's n-th extra batch, with tasks and samples of its own)."""
         t, seed = self.config.train, self.config.run.seed
         # One process: the historical streams. Several: each rank its own task and sampling stream.
         stream = "" if not self.dist.enabled else f"/rank{self.dist.rank}"
+        stream += f"/refill{refill}" if refill else ""
         gen = torch.Generator(device=self.device).manual_seed(derive_seed(seed, "sampling" + stream, step))
         self.policy.eval()
         started = time.perf_counter()
@@ -250,6 +252,7 @@ class Trainer:
         self.hooks.on_step_start(trainer=self, step=step)
         try:
             _, batch, metrics = self.rollout(step)
+            batch = self.refilled(step, batch, metrics)
         except Exception as e:
             if not _nonfinite_reward(e):
                 raise
@@ -276,6 +279,23 @@ class Trainer:
         self.step += 1
         self.hooks.on_optimizer_step(trainer=self, step=self.step, metrics=metrics)
         return metrics
+
+    def refilled(self, step: int, batch: Experience, metrics: dict[str, float]) -> Experience:
+        """``batch`` with more sampled groups appended while the learner lacks groups with a training signal (DAPO's
+        dynamic sampling with refill), at most ``refill_rounds`` more rollouts. Every rank draws as many as the
+        neediest one, so the rollouts' collectives stay in step."""
+        rounds = 0
+        while rounds < self.algorithm.refill_rounds and self.dist.any_true(self.algorithm.groups_short(batch) > 0):
+            rounds += 1
+            _, more, extra = self.rollout(step, refill=rounds)
+            more.group_ids = more.group_ids + int(batch.group_ids.max()) + 1  # a fresh rollout numbers groups from 0
+            batch = Experience.concat([batch, more], pad_token_id=self.policy.tokenizer.pad_token_id)
+            for key in ("perf/generate_s", "perf/reward_s"):  # the step's time parts stay disjoint and complete
+                metrics[key] += extra[key]
+        if self.algorithm.refill_rounds:
+            metrics["rollout/refill_rounds"] = float(rounds)
+            metrics["rollout/groups_short"] = float(self.algorithm.groups_short(batch))
+        return batch
 
     def _skip(self, step: int, why: str, metrics: dict[str, float], started: float, *, updated: bool = False) -> dict[str, float]:
         """Count a skipped step (no optimiser step was taken); abort after ``train.max_bad_steps`` in a row."""

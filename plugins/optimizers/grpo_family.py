@@ -6,9 +6,11 @@ All three reuse GRPO's group-relative advantages (:class:`~palestra.plugins.opti
 * ``dapo`` (Yu et al. 2025, "DAPO: an open-source LLM RL system at scale"): the clipped surrogate with
   clip-higher (``clip_eps=0.2``, ``clip_eps_high=0.28``), token-level aggregation (``token_mean``), and dynamic
   sampling: groups whose rewards all tie (so every advantage in them is 0) are dropped from the update, so that
-  the gradient is a mean over informative tokens only. We filter the sampled batch; the paper also *refills* it by
-  sampling more prompts until the batch is full, which needs the trainer and is not done here.
-  ``dapo/kept_groups_frac`` reports the share of groups kept; when no group is left, the update is a no-op (no
+  the gradient is a mean over informative tokens only. With ``refill_rounds > 0`` the batch is also *refilled*, as
+  in the paper (verl's ``max_num_gen_batches``): while it holds fewer informative groups than one rollout's
+  ``train.batch_size`` tasks, the trainer samples another batch of tasks, up to ``refill_rounds`` more a step, and
+  the update takes the first ``train.batch_size`` informative groups (the rest are dropped).
+  ``dapo/kept_groups_frac`` reports the share of sampled groups kept; when no group is left, the update is a no-op (no
   optimiser step, no LR-schedule step) and ``dapo/empty_update`` is 1. The overlong reward shaping is a reward,
   ``overlong`` (``plugins/rewards/length.py``), added to the task reward in the config.
 * ``gspo`` (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per sequence, the
@@ -48,6 +50,8 @@ class DAPOOptions(GRPOOptions):
     loss_agg: LossAgg = "token_mean"
     dynamic_sampling: bool = True  # drop groups whose rewards all tie (every advantage 0) from the update
     tie_tolerance: float = option(0.0, ge=0)  # a group ties when its rewards' max - min is at most this
+    # extra rollouts a step may sample to replace dropped groups (verl: max_num_gen_batches - 1); 0: drop only
+    refill_rounds: int = option(0, ge=0)
 
 
 def informative_rows(rewards: torch.Tensor, group_size: int, tolerance: float = 0.0) -> torch.Tensor:
@@ -61,11 +65,12 @@ def informative_rows(rewards: torch.Tensor, group_size: int, tolerance: float = 
 
 
 class DAPO(GRPO):
-    """GRPO with clip-higher, token-level loss and dynamic sampling (tied groups dropped from the update)."""
+    """GRPO with clip-higher, token-level loss and dynamic sampling (tied groups dropped, optionally refilled)."""
 
     name = "dapo"
     Options = DAPOOptions
     options: DAPOOptions
+    step_groups: int = 0  # one rollout's groups on this rank (on_setup)
 
     def on_setup(self, policy: Any) -> None:
         super().on_setup(policy)
@@ -76,9 +81,31 @@ class DAPO(GRPO):
                 "optimizer.options.replay_capacity: dapo does not replay (its dynamic sampling decides the rows of "
                 "each update); set replay_capacity and replay_rows to 0, or use grpo, gspo or cispo for replay"
             )
+        if self.options.refill_rounds and not self.options.dynamic_sampling:
+            from palestra.config import ConfigError
+
+            raise ConfigError(
+                "optimizer.options.refill_rounds: refills replace the tied groups that dynamic sampling drops; set "
+                "dynamic_sampling to true, or refill_rounds to 0"
+            )
+        # One rollout's groups on this rank: what an update with refill is filled up to.
+        d = self.context.distributed
+        self.step_groups = self.train.batch_size if d is None else d.local_batch_size(self.train.batch_size)
+
+    @property
+    def refill_rounds(self) -> int:
+        return self.options.refill_rounds
+
+    def groups_short(self, batch: Experience) -> int:
+        from palestra.rl import group_size_of
+
+        g = group_size_of(batch.group_ids, self.name)
+        informative = int(informative_rows(batch.rewards, g, self.options.tie_tolerance).sum()) // g
+        return max(0, self.step_groups - informative)
 
     def kept_rows(self, batch: Experience) -> torch.Tensor:
-        """Bool ``[B]``: the rows this update trains on (every row without dynamic sampling)."""
+        """Bool ``[B]``: the rows this update trains on (every row without dynamic sampling). With refill, at most
+        one rollout's worth of groups: the first informative ones, in sampling order."""
         import torch
 
         from palestra.rl import group_size_of
@@ -86,7 +113,10 @@ class DAPO(GRPO):
         if not self.options.dynamic_sampling:
             return torch.ones(batch.batch_size, dtype=torch.bool, device=batch.rewards.device)
         g = group_size_of(batch.group_ids, self.name)
-        return informative_rows(batch.rewards, g, self.options.tie_tolerance)
+        keep = informative_rows(batch.rewards, g, self.options.tie_tolerance)
+        if self.options.refill_rounds:
+            keep &= keep.cumsum(0) <= self.step_groups * g  # groups are kept whole, so this cuts at a group's end
+        return keep
 
     def update(self, policy: Any, batch: Experience) -> dict[str, float]:
         from palestra.rl import group_size_of
@@ -216,7 +246,7 @@ class CISPO(_OwnSurrogate):
 @hookimpl
 def register_optimizers(register: Any) -> None:
     register("dapo", DAPO, options=DAPOOptions,
-             description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped)")
+             description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped or refilled)")
     register("gspo", GSPO, options=GSPOOptions,
              description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence")
     register("cispo", CISPO, options=CISPOOptions,

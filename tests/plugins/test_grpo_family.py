@@ -165,6 +165,75 @@ def test_dapo_tie_tolerance():
         assert sorted(set(rows.group_ids.tolist())) == groups
 
 
+# ---- DAPO's refill ---------------------------------------------------------------------------------------------------
+def test_dapo_refill_options_are_checked():
+    with pytest.raises(ConfigError, match=r"^dapo\.refill_rounds: must be >= 0"):
+        build("dapo", refill_rounds=-1)
+    algo = build("dapo", dynamic_sampling=False, refill_rounds=2)
+    with pytest.raises(ConfigError, match=r"^optimizer\.options\.refill_rounds: refills replace the tied groups"):
+        algo.setup(ToyPolicy(), train_config())
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_dapo_with_refill_counts_the_groups_short_and_keeps_the_first_informative_ones(batch_size):
+    """Groups 0 and 9 carry a signal, 7 ties: an update of ``batch_size`` groups lacks max(0, batch_size - 2) and
+    trains on the first min(batch_size, 2) informative groups, in sampling order."""
+    policy = ToyPolicy()
+    algo = build("dapo", refill_rounds=1)
+    algo.setup(policy, train_config(batch_size=batch_size))
+    assert algo.refill_rounds == 1 and build("dapo").refill_rounds == 0
+    batch = algo.prepare(shifted_batch(policy))
+    assert algo.groups_short(batch) == max(0, batch_size - 2)
+    rows = algo.batch_for_update(batch)
+    assert rows.group_ids.tolist() == [0, 0, 0, 9, 9, 9][: 3 * min(batch_size, 2)]
+    torch.testing.assert_close(rows.advantages.double(), group_adv(REWARDS)[[0, 1, 2, 6, 7, 8]][: rows.batch_size],
+                               rtol=1e-5, atol=1e-6)
+
+
+def refill_trainer(tmp_path, *overrides):
+    from palestra.config import load_config
+    from palestra.engine.trainer import Trainer
+
+    config = load_config(REPO / "examples" / "dapo.yaml", [
+        "optimizer.options.dynamic_sampling=true", "optimizer.options.refill_rounds=2", "train.batch_size=4",
+        "train.group_size=4", "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path}", "loggers=[]", *overrides,
+    ])  # fmt: skip
+    return Trainer(config, run_dir=tmp_path / "run")
+
+
+def test_the_trainer_refills_with_new_tasks_while_every_group_ties(tmp_path):
+    """From random weights no completion is in the task's format (the example's reward without its overlong
+    penalty), so every group ties at 0: both refill rounds are drawn, each
+    a rollout of its own tasks and samples (reproducible from the step and the round), numbered after the last."""
+    from palestra.rl import group_size_of
+
+    trainer = refill_trainer(tmp_path, 'reward={name: format, options: {pattern: "^<answer>-?[0-9]+</answer>$"}}')
+    _, first, metrics = trainer.rollout(0)
+    generate_s = metrics["perf/generate_s"]
+    batch = trainer.refilled(0, first, metrics)
+    assert batch.batch_size == 3 * 16 and group_size_of(batch.group_ids, "test") == 4
+    assert batch.group_ids.unique().numel() == 12
+    assert not batch.rewards.any()
+    assert metrics["rollout/refill_rounds"] == 2.0 and metrics["rollout/groups_short"] == 4.0
+    assert metrics["perf/generate_s"] > generate_s  # the refills' sampling time counts in the step's
+    _, again, _ = trainer.rollout(0, refill=1)
+    width = again.completion_ids.shape[1]
+    assert torch.equal(batch.completion_ids[16:32, :width], again.completion_ids)
+    prompts = [m["question"] for m in batch.metadata]
+    assert prompts[16:32] != prompts[:16] and prompts[32:] != prompts[16:32]  # new tasks, not the same ones resampled
+
+    metrics = trainer.train_step()  # and a whole step through the update
+    assert metrics["rollout/refill_rounds"] == 2.0 and metrics["dapo/empty_update"] == 1.0
+
+
+def test_the_trainer_does_not_refill_a_batch_that_is_already_full(tmp_path):
+    """A length reward differs between almost any two random completions: every group carries a signal."""
+    trainer = refill_trainer(tmp_path, "reward={name: length, options: {target: 12, unit: chars}}")
+    _, first, metrics = trainer.rollout(0)
+    assert trainer.algorithm.groups_short(first) == 0
+    assert trainer.refilled(0, first, metrics) is first
+    assert metrics["rollout/refill_rounds"] == 0.0 and metrics["rollout/groups_short"] == 0.0
+
 # ---- GSPO and CISPO -------------------------------------------------------------------------------------------------
 def test_gspo_loss_matches_hand_computation():
     policy = ToyPolicy()
