@@ -111,6 +111,20 @@ def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_pa
     assert not list((run_b / "checkpoints").glob(".*"))
 
 
+
+def test_a_dapo_run_with_refill_resumes_bitwise(tmp_path: Path) -> None:
+    """DAPO's refill rounds sample from seeds derived from the step and the round: the resumed run draws the same."""
+    raw = raw_config(Path("runs"))
+    raw["optimizer"] = {"name": "dapo", "options": {"dynamic_sampling": True, "refill_rounds": 2, "entropy_coef": 0.01}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY)
+    a, b = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME), ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"]), "parameters differ after resume"
+    lines = metric_lines(run_b)
+    assert lines == metric_lines(run_a)
+    assert any(m.get("rollout/refill_rounds", 0) > 0 for m in lines)  # the refills happened
+
 def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> None:
     good = {"step": 3, "policy": {"w": torch.arange(4.0)}}
     path = ckpt.save_step_checkpoint(tmp_path, good, 3, keep=2)
