@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
+    from contextlib import AbstractContextManager
+
     import torch
 
     from palestra.context import TrainContext
@@ -435,6 +437,7 @@ class PolicyOptimizer(Protocol):
     needs_reference: bool  # True when the trainer must give setup() a frozen copy of the policy (a KL term)
     routes_agents: bool  # scores each row with its agent's parameters (needed for agents.independent_layers)
     shared_update_window: bool  # honours agents.update_frequency (steps the shared layers every N updates)
+    refill_rounds: int  # extra rollouts a step may draw while groups_short() > 0 (DAPO's refill); 0 for most
 
     def setup(self, policy: Policy, context: TrainContext, *, reference: Policy | None = None) -> None:
         """Bind the policy (adding a value head if the algorithm needs one) and build the optimisers."""
@@ -447,6 +450,15 @@ class PolicyOptimizer(Protocol):
     def update(self, policy: Policy, batch: Experience) -> dict[str, float]:
         """Take the optimiser step(s) for ``batch``: backward, gradient clipping, parameter update. Returns metrics
         (``train/skipped: 1.0`` when a non-finite loss or gradient skipped the step)."""
+        ...
+
+    def groups_short(self, batch: Experience) -> int:
+        """How many more groups with a training signal ``batch`` needs before the update (asked while refill rounds
+        remain; 0: the batch is ready)."""
+        ...
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The training precision's autocast region, which the trainer's rollouts sample under."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

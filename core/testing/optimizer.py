@@ -25,7 +25,7 @@ __all__ = ["RULES", "check_optimizer"]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the optimiser from the options given",
-    "protocol": "name is a str; needs_reference, routes_agents and shared_update_window are bools; setup, prepare, update, state_dict and load_state_dict exist",
+    "protocol": "name is a str; needs_reference, routes_agents and shared_update_window are bools; refill_rounds is an int >= 0; setup, prepare, update, groups_short, autocast, state_dict and load_state_dict exist",
     "setup runs": "setup(policy, TrainContext, reference=...) binds a tiny policy without raising",
     "prepare fills advantages": "prepare(batch) returns the batch with finite float advantages of shape [B] or [B, T], and it still validates",
     "update runs": "update(policy, batch) returns without raising",
@@ -87,7 +87,10 @@ def _check_protocol(algo: Any, c: Contract) -> None:
     for flag in ("needs_reference", "routes_agents", "shared_update_window"):
         value = getattr(algo, flag, None)
         c.require(isinstance(value, bool), flag, "protocol", f"{flag} is {value!r}; expected a bool")
-    for method in ("setup", "prepare", "update", "state_dict", "load_state_dict"):
+    rounds = getattr(algo, "refill_rounds", None)
+    c.require(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0, "refill_rounds", "protocol",
+              f"refill_rounds is {rounds!r}; expected an int >= 0")
+    for method in ("setup", "prepare", "update", "groups_short", "autocast", "state_dict", "load_state_dict"):
         c.require(callable(getattr(algo, method, None)), method, "protocol", f"has no {method}() method")
 
 

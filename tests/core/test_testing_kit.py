@@ -5,6 +5,8 @@ plugin's own tests the ``palestra_contract`` fixture, and the example plugin's t
 
 from __future__ import annotations
 
+import contextlib
+
 import random
 import shutil
 import sys
@@ -371,10 +373,16 @@ class ForgetfulBaseline(GRPO):
 class PlainSGD:
     """A protocol-only optimiser (no palestra.Algorithm) that steps whatever its loss is, NaN included."""
 
-    name, needs_reference, routes_agents, shared_update_window = "plain_sgd", False, False, False
+    name, needs_reference, routes_agents, shared_update_window, refill_rounds = "plain_sgd", False, False, False, 0
 
     def setup(self, policy, context, *, reference=None):
         self.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+
+    def groups_short(self, batch):
+        return 0
+
+    def autocast(self):
+        return contextlib.nullcontext()
 
     def prepare(self, batch):
         batch.advantages = batch.rewards - batch.rewards.mean()
@@ -404,6 +412,13 @@ class NoFlags(GRPO):
     routes_agents = None  # type: ignore[assignment]
 
 
+class HalfRefill(PlainSGD):
+    """Says it refills, as a protocol-only optimiser, but cannot say how many groups it lacks."""
+
+    refill_rounds = 2
+    groups_short = None  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize(
     ("optimizer", "method", "rule", "detail"),
     [
@@ -412,6 +427,7 @@ class NoFlags(GRPO):
         (PlainSGD, "update", "NaN loss skips the step", "a NaN loss returned train/skipped=None; expected 1.0"),
         (Frozen, "update", "parameters change", "no parameter of the policy changed"),
         (NoFlags, "routes_agents", "protocol", "routes_agents is None; expected a bool"),
+        (HalfRefill, "groups_short", "protocol", "has no groups_short() method"),
     ],
 )
 def test_a_broken_optimizer_is_caught(optimizer: type, method: str, rule: str, detail: str) -> None:
