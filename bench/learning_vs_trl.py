@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         build_model(folder, hidden=args.hidden, layers=args.layers, seed=0)
         runs = [("trl", None)] if "trl" in args.sides else []
         if "palestra" in args.sides:
-            runs = [(label, overrides) for label, overrides in variants.items()] + runs
+            runs = list(variants.items()) + runs
         for seed in args.seeds:
             for label, overrides in runs:
                 started = time.perf_counter()
@@ -239,16 +239,18 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     palette = iter(["tab:blue", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
     colours = {side: "black" if side == "trl" else next(palette, "tab:gray") for side in sides}
     fig, ax = plt.subplots(figsize=(7, 4))
+    labelled: set[str] = set()
     for r in runs:
-        first = r is next(x for x in runs if x["side"] == r["side"])
         ax.plot(moving_average(r["curve"], 20), color=colours[r["side"]], alpha=0.8, linewidth=1,
-                label=r["side"] if first else None)
+                label=None if r["side"] in labelled else r["side"])  # one legend entry per side
+        labelled.add(r["side"])
     ax.set_xlabel("step")
     ax.set_ylabel("training reward (moving average of 20)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
 
 if __name__ == "__main__":
     sys.exit(main())

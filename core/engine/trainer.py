@@ -284,17 +284,20 @@ class Trainer:
         """``batch`` with more sampled groups appended while the learner lacks groups with a training signal (DAPO's
         dynamic sampling with refill), at most ``refill_rounds`` more rollouts. Every rank draws as many as the
         neediest one, so the rollouts' collectives stay in step."""
-        rounds = 0
-        while rounds < self.algorithm.refill_rounds and self.dist.any_true(self.algorithm.groups_short(batch) > 0):
+        limit = self.algorithm.refill_rounds
+        if not limit:
+            return batch
+        rounds, short = 0, self.algorithm.groups_short(batch)
+        while rounds < limit and self.dist.any_true(short > 0):
             rounds += 1
             _, more, extra = self.rollout(step, refill=rounds)
             more.group_ids = more.group_ids + int(batch.group_ids.max()) + 1  # a fresh rollout numbers groups from 0
             batch = Experience.concat([batch, more], pad_token_id=self.policy.tokenizer.pad_token_id)
             for key in ("perf/generate_s", "perf/reward_s"):  # the step's time parts stay disjoint and complete
                 metrics[key] += extra[key]
-        if self.algorithm.refill_rounds:
-            metrics["rollout/refill_rounds"] = float(rounds)
-            metrics["rollout/groups_short"] = float(self.algorithm.groups_short(batch))
+            short = self.algorithm.groups_short(batch)
+        metrics["rollout/refill_rounds"] = float(rounds)
+        metrics["rollout/groups_short"] = float(short)
         return batch
 
     def _skip(self, step: int, why: str, metrics: dict[str, float], started: float, *, updated: bool = False) -> dict[str, float]:
