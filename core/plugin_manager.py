@@ -16,9 +16,7 @@ built-ins are found and registered exactly the way third-party plugins are. What
 * a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
   error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
 * a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=1.0,<2"`` in its module)
-  that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions;
-* a plugin implementing a hook under its old name (:data:`palestra.hookspecs.RENAMED_HOOKS`) keeps working for
-  one API version, with a DeprecationWarning naming both names.
+  that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions.
 
 Environment variables, read when the manager is first built (call :func:`reset` to re-read them):
 
@@ -246,7 +244,7 @@ class _Loader:
                 plugin = ep.load()
                 _check_api(plugin, ep.name)
                 name = ep.name if self.pm.get_plugin(ep.name) is None else f"{self.dist_names.name(dist)}:{ep.name}"
-                self.pm.register(_with_current_hook_names(plugin, name), name=name)
+                self.pm.register(plugin, name=name)
                 registered.append((name, plugin, ep))
         except IncompatiblePlugin as e:
             for name, _, _ in registered:
@@ -351,7 +349,7 @@ def _requested_distributions() -> set[str] | None:
     return {_normalise(part.strip()) for part in raw.split(",") if part.strip()}
 
 
-# ---- plugin API versions and renamed hooks ------------------------------------------------------------
+# ---- plugin API versions -----------------------------------------------------------------------------
 class IncompatiblePlugin(Exception):
     """A plugin declares plugin API versions that exclude this palestra's (or a specifier that cannot be read)."""
 
@@ -385,30 +383,6 @@ def _check_api(plugin: object, name: str) -> None:
             f"plugin {name!r} supports plugin API {declared}, but this palestra provides plugin API "
             f"{hookspecs.PLUGIN_API}; install a version of the plugin built for {hookspecs.PLUGIN_API}", declared,
         )
-
-
-class _RenamedHooks:
-    """A plugin seen through the current hook names: its old-name implementations answer to the new names."""
-
-    def __init__(self, plugin: object, renamed: dict[str, str]) -> None:
-        for name in dir(plugin):
-            if not name.startswith("_"):
-                setattr(self, renamed.get(name, name), getattr(plugin, name))
-
-
-def _with_current_hook_names(plugin: object, name: str) -> object:
-    """``plugin``, or an adapter of it when it implements hooks by a name :data:`hookspecs.RENAMED_HOOKS` retired."""
-    old = [h for h in hookspecs.RENAMED_HOOKS if callable(getattr(plugin, h, None))]
-    if not old:
-        return plugin
-    for hook in old:
-        warnings.warn(
-            f"plugin {name!r} implements {hook!r}, now called {hookspecs.RENAMED_HOOKS[hook]!r} (plugin API "
-            f"{hookspecs.PLUGIN_API}); the old name goes with the next plugin API version",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    return _RenamedHooks(plugin, {h: hookspecs.RENAMED_HOOKS[h] for h in old})
 
 
 # ---- registration ------------------------------------------------------------------------------------
