@@ -5,8 +5,10 @@ Every plugin, built-in or not, is a module named by an entry point in the ``pale
     [project.entry-points.palestra]
     example = "palestra_example"
 
-The palestra distribution itself declares one entry point per module in :data:`DEFAULT_PLUGINS`, so the
-built-ins are found and registered exactly the way third-party plugins are. What differs is failure:
+The built-ins are the palestra distribution's own entry points (pyproject.toml declares one per module under
+:data:`BUILTIN_PACKAGE`), so they are found and registered exactly the way third-party plugins are, from the
+installed metadata alone: an editable install, ``pip install .`` and ``pip install --target`` all work the same.
+They load first, in module order (so grouped by kind). What differs is failure:
 
 * a built-in that is missing or fails (import or registration) means the install is broken: hard error;
 * a third-party distribution whose plugin fails to import, or raises inside a ``register_*`` hook, is
@@ -49,34 +51,7 @@ DISTRIBUTION = "palestra"  # the distribution whose entry points are the built-i
 LOAD_PLUGINS_ENV = "PALESTRA_LOAD_PLUGINS"
 TRACE_PLUGINS_ENV = "PALESTRA_TRACE_PLUGINS"
 
-# The built-in plugins, in load order. Each must also be an entry point of the palestra distribution
-# (pyproject.toml, [project.entry-points.palestra]); the two lists are checked against each other on load.
-DEFAULT_PLUGINS: tuple[str, ...] = (
-    "palestra.plugins.envs.arithmetic",
-    "palestra.plugins.envs.relay",
-    "palestra.plugins.envs.customer_service",
-    "palestra.plugins.envs.textarena",
-    "palestra.plugins.envs.dataset",
-    "palestra.plugins.envs.reasoning_gym",
-    "palestra.plugins.rewards.basic",
-    "palestra.plugins.rewards.combinators",
-    "palestra.plugins.rewards.dialogue",
-    "palestra.plugins.rewards.length",
-    "palestra.plugins.policies.tiny",
-    "palestra.plugins.policies.hf",
-    "palestra.plugins.generators.kv_cache",
-    "palestra.plugins.optimizers.reinforce",
-    "palestra.plugins.optimizers.ppo",
-    "palestra.plugins.optimizers.grpo",
-    "palestra.plugins.optimizers.rloo",
-    "palestra.plugins.optimizers.grpo_family",
-    "palestra.plugins.optimizers.reinforce_pp",
-    "palestra.plugins.optimizers.mappo",
-    "palestra.plugins.loggers.console",
-    "palestra.plugins.loggers.jsonl",
-    "palestra.plugins.loggers.tensorboard",
-    "palestra.plugins.loggers.wandb",
-)
+BUILTIN_PACKAGE = "palestra.plugins"  # where every built-in plugin module lives
 
 
 class PalestraPluginWarning(UserWarning):
@@ -200,23 +175,13 @@ class _Loader:
                 f"the {DISTRIBUTION!r} distribution is not installed, so its built-in plugins cannot be found; "
                 "install it (pip install -e .)"
             ) from None
-        declared = {ep.value: ep for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP)}
-        missing = [m for m in DEFAULT_PLUGINS if m not in declared]
-        extra = [v for v in declared if v not in DEFAULT_PLUGINS]
-        if missing or extra:
-            raise BuiltinPluginError(
-                f"the installed {DISTRIBUTION!r} metadata does not match palestra.plugin_manager.DEFAULT_PLUGINS "
-                f"(not declared as entry points: {missing or 'none'}; declared but unknown: {extra or 'none'}); "
-                "reinstall palestra (pip install -e .)"
-            )
-        for module_path in DEFAULT_PLUGINS:
-            ep = declared[module_path]
+        for ep in _builtin_entry_points(dist):
             try:
                 plugin = ep.load()
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
                 raise BuiltinPluginError(
-                    f"built-in plugin {ep.name!r} ({module_path}) failed to load: {_one_line(e)}; the palestra install is broken"
+                    f"built-in plugin {ep.name!r} ({ep.value}) failed to load: {_one_line(e)}; the palestra install is broken"
                 ) from e
             self._loaded(plugin, ep.name, ep.value, dist, builtin=True)
 
@@ -320,6 +285,20 @@ class _DistributionNames:
 
     def version(self, dist: metadata.Distribution) -> str | None:
         return self._read(dist)[2]
+
+
+def _builtin_entry_points(dist: metadata.Distribution) -> list[metadata.EntryPoint]:
+    """The palestra distribution's ``palestra`` entry points, in module order; each must name a module under
+    :data:`BUILTIN_PACKAGE`, and there must be some: otherwise the installed metadata is not palestra's own."""
+    eps = sorted(dist.entry_points.select(group=ENTRY_POINT_GROUP), key=lambda ep: ep.value)
+    stray = [f"{ep.name} = {ep.value}" for ep in eps if not ep.value.startswith(BUILTIN_PACKAGE + ".")]
+    if stray or not eps:
+        found = f"entry points outside {BUILTIN_PACKAGE}: {', '.join(stray)}" if stray else "no entry points"
+        raise BuiltinPluginError(
+            f"the installed {DISTRIBUTION!r} metadata declares {found} in the {ENTRY_POINT_GROUP!r} group; "
+            "reinstall palestra (pip install -e .)"
+        )
+    return eps
 
 
 def _third_party_entry_points(
