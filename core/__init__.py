@@ -54,6 +54,7 @@ _LAZY = {
     "Exportable": "palestra.types",
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
+    "MissingDependency": "palestra.registry",
     "Algorithm": "palestra.engine.learner",
     "AlgorithmOptions": "palestra.engine.learner",
     "ReplayOptions": "palestra.engine.learner",
