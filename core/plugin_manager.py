@@ -17,7 +17,7 @@ They load first, in module order (so grouped by kind). What differs is failure:
   later says why it is missing. Everything else keeps working.
 * a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
   error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
-* a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=1.0,<2"`` in its module)
+* a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=2.0,<3"`` in its module)
   that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions.
 
 Environment variables, read when the manager is first built (call :func:`reset` to re-read them):
@@ -343,6 +343,12 @@ def _declared_api(plugin: object) -> str | None:
     return None if declared is None else str(declared)
 
 
+def _current_range() -> str:
+    """The specifier a plugin written for this palestra declares: this major version of the plugin API."""
+    major = int(hookspecs.PLUGIN_API.split(".")[0])
+    return f">={major}.0,<{major + 1}"
+
+
 def _check_api(plugin: object, name: str) -> None:
     """Raise :class:`IncompatiblePlugin` when the plugin's declared API range excludes :data:`hookspecs.PLUGIN_API`."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -355,7 +361,7 @@ def _check_api(plugin: object, name: str) -> None:
     except InvalidSpecifier:
         raise IncompatiblePlugin(
             f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} = {declared!r}, which is not a version specifier "
-            "(write e.g. '>=1.0,<2')", declared,
+            f"(write e.g. {_current_range()!r})", declared,
         ) from None
     if not supported.contains(hookspecs.PLUGIN_API, prereleases=True):
         raise IncompatiblePlugin(

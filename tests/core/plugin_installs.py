@@ -26,7 +26,7 @@ PACKAGES = {
     "misspelt": REPO / "tests" / "fixtures" / "misspelt_plugin",  # implements register_reward
     "duplicate": REPO / "tests" / "fixtures" / "duplicate_plugin",  # registers the example's reward name again
     "fault": REPO / "tests" / "fixtures" / "fault_plugin",  # test-only fault injection through the lifecycle hooks
-    "future": REPO / "tests" / "fixtures" / "future_plugin",  # declares plugin API 2.x only
+    "future": REPO / "tests" / "fixtures" / "future_plugin",  # declares plugin API 3.x only
 }
 # The import names the packages install, so in-process tests can forget them afterwards.
 MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin", "palestra_fault_plugin", "palestra_future_plugin")

@@ -331,11 +331,11 @@ def test_cli_plugins_table(in_process, sites, capsys) -> None:
         warnings.simplefilter("ignore", PalestraPluginWarning)
         assert cli.main(["plugins"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines.pop(0) == "palestra 0.1.0, plugin API 1.0"
+    assert lines.pop(0) == "palestra 0.1.0, plugin API 2.0"
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "HOOKS", "REGISTERS"]
     assert lines[1].split()[:4] == ["broken", "palestra-broken-plugin", "0.0.1", "-"]
     assert "FAILED: ModuleNotFoundError" in lines[1]
-    assert lines[2].split() == ["example", "palestra-example-plugin", "0.1.0", "(API", ">=1.0,<2)", "register_environments",
+    assert lines[2].split() == ["example", "palestra-example-plugin", "0.1.0", "(API", ">=2.0,<3)", "register_environments",
                                 "environments:", "word_usage"]
     assert lines[3].split() == ["register_rewards", "rewards:", "keyword_coverage"]
     assert len(lines) == 4  # built-ins only with --all
