@@ -19,12 +19,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from palestra import _moved
 from palestra.hookspecs import PLUGIN_API, hookimpl
 
 __version__ = "0.1.0"
-
-_moved.install()  # old module paths (palestra.algorithm, ...) keep working, with a DeprecationWarning
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
@@ -57,6 +54,7 @@ _LAZY = {
     "Exportable": "palestra.types",
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
+    "MissingDependency": "palestra.registry",
     "Algorithm": "palestra.engine.learner",
     "AlgorithmOptions": "palestra.engine.learner",
     "ReplayOptions": "palestra.engine.learner",

@@ -24,15 +24,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
 PROJECT = "palestra"
-# The version of this contract (the hooks below, the types, the context). A hook renamed or a type changed
-# incompatibly bumps the major part; the old name keeps working, with a DeprecationWarning, for one version.
-PLUGIN_API = "1.0"
+# The version of this contract (the hooks below, the types, the context). A hook renamed or removed, or a type or
+# hook argument changed incompatibly, bumps the major part; docs/plugins.md says what changed for plugin authors.
+PLUGIN_API = "2.0"
 # A plugin module may declare the plugin API versions it works with, as a version specifier string
-# (PEP 440), e.g. ``PALESTRA_PLUGIN_API = ">=1.0,<2"``; one that excludes PLUGIN_API is disabled with one warning.
+# (PEP 440), e.g. ``PALESTRA_PLUGIN_API = ">=2.0,<3"``; one that excludes PLUGIN_API is disabled with one warning.
 PLUGIN_API_ATTRIBUTE = "PALESTRA_PLUGIN_API"
-# Hooks renamed in this API version: old name -> new name. A plugin implementing an old name still works for one
-# API version (its implementation is registered under the new name, with a DeprecationWarning naming both).
-RENAMED_HOOKS: dict[str, str] = {}
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

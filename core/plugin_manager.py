@@ -5,8 +5,10 @@ Every plugin, built-in or not, is a module named by an entry point in the ``pale
     [project.entry-points.palestra]
     example = "palestra_example"
 
-The palestra distribution itself declares one entry point per module in :data:`DEFAULT_PLUGINS`, so the
-built-ins are found and registered exactly the way third-party plugins are. What differs is failure:
+The built-ins are the palestra distribution's own entry points (pyproject.toml declares one per module under
+:data:`BUILTIN_PACKAGE`), so they are found and registered exactly the way third-party plugins are, from the
+installed metadata alone: an editable install, ``pip install .`` and ``pip install --target`` all work the same.
+They load first, in module order (so grouped by kind). What differs is failure:
 
 * a built-in that is missing or fails (import or registration) means the install is broken: hard error;
 * a third-party distribution whose plugin fails to import, or raises inside a ``register_*`` hook, is
@@ -15,10 +17,8 @@ built-ins are found and registered exactly the way third-party plugins are. What
   later says why it is missing. Everything else keeps working.
 * a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
   error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
-* a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=1.0,<2"`` in its module)
-  that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions;
-* a plugin implementing a hook under its old name (:data:`palestra.hookspecs.RENAMED_HOOKS`) keeps working for
-  one API version, with a DeprecationWarning naming both names.
+* a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=2.0,<3"`` in its module)
+  that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions.
 
 Environment variables, read when the manager is first built (call :func:`reset` to re-read them):
 
@@ -51,34 +51,7 @@ DISTRIBUTION = "palestra"  # the distribution whose entry points are the built-i
 LOAD_PLUGINS_ENV = "PALESTRA_LOAD_PLUGINS"
 TRACE_PLUGINS_ENV = "PALESTRA_TRACE_PLUGINS"
 
-# The built-in plugins, in load order. Each must also be an entry point of the palestra distribution
-# (pyproject.toml, [project.entry-points.palestra]); the two lists are checked against each other on load.
-DEFAULT_PLUGINS: tuple[str, ...] = (
-    "palestra.plugins.envs.arithmetic",
-    "palestra.plugins.envs.relay",
-    "palestra.plugins.envs.customer_service",
-    "palestra.plugins.envs.textarena",
-    "palestra.plugins.envs.dataset",
-    "palestra.plugins.envs.reasoning_gym",
-    "palestra.plugins.rewards.basic",
-    "palestra.plugins.rewards.combinators",
-    "palestra.plugins.rewards.dialogue",
-    "palestra.plugins.rewards.length",
-    "palestra.plugins.policies.tiny",
-    "palestra.plugins.policies.hf",
-    "palestra.plugins.generators.kv_cache",
-    "palestra.plugins.optimizers.reinforce",
-    "palestra.plugins.optimizers.ppo",
-    "palestra.plugins.optimizers.grpo",
-    "palestra.plugins.optimizers.rloo",
-    "palestra.plugins.optimizers.grpo_family",
-    "palestra.plugins.optimizers.reinforce_pp",
-    "palestra.plugins.optimizers.mappo",
-    "palestra.plugins.loggers.console",
-    "palestra.plugins.loggers.jsonl",
-    "palestra.plugins.loggers.tensorboard",
-    "palestra.plugins.loggers.wandb",
-)
+BUILTIN_PACKAGE = "palestra.plugins"  # where every built-in plugin module lives
 
 
 class PalestraPluginWarning(UserWarning):
@@ -202,23 +175,13 @@ class _Loader:
                 f"the {DISTRIBUTION!r} distribution is not installed, so its built-in plugins cannot be found; "
                 "install it (pip install -e .)"
             ) from None
-        declared = {ep.value: ep for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP)}
-        missing = [m for m in DEFAULT_PLUGINS if m not in declared]
-        extra = [v for v in declared if v not in DEFAULT_PLUGINS]
-        if missing or extra:
-            raise BuiltinPluginError(
-                f"the installed {DISTRIBUTION!r} metadata does not match palestra.plugin_manager.DEFAULT_PLUGINS "
-                f"(not declared as entry points: {missing or 'none'}; declared but unknown: {extra or 'none'}); "
-                "reinstall palestra (pip install -e .)"
-            )
-        for module_path in DEFAULT_PLUGINS:
-            ep = declared[module_path]
+        for ep in _builtin_entry_points(dist):
             try:
                 plugin = ep.load()
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
                 raise BuiltinPluginError(
-                    f"built-in plugin {ep.name!r} ({module_path}) failed to load: {_one_line(e)}; the palestra install is broken"
+                    f"built-in plugin {ep.name!r} ({ep.value}) failed to load: {_one_line(e)}; the palestra install is broken"
                 ) from e
             self._loaded(plugin, ep.name, ep.value, dist, builtin=True)
 
@@ -246,7 +209,7 @@ class _Loader:
                 plugin = ep.load()
                 _check_api(plugin, ep.name)
                 name = ep.name if self.pm.get_plugin(ep.name) is None else f"{self.dist_names.name(dist)}:{ep.name}"
-                self.pm.register(_with_current_hook_names(plugin, name), name=name)
+                self.pm.register(plugin, name=name)
                 registered.append((name, plugin, ep))
         except IncompatiblePlugin as e:
             for name, _, _ in registered:
@@ -324,6 +287,20 @@ class _DistributionNames:
         return self._read(dist)[2]
 
 
+def _builtin_entry_points(dist: metadata.Distribution) -> list[metadata.EntryPoint]:
+    """The palestra distribution's ``palestra`` entry points, in module order; each must name a module under
+    :data:`BUILTIN_PACKAGE`, and there must be some: otherwise the installed metadata is not palestra's own."""
+    eps = sorted(dist.entry_points.select(group=ENTRY_POINT_GROUP), key=lambda ep: ep.value)
+    stray = [f"{ep.name} = {ep.value}" for ep in eps if not ep.value.startswith(BUILTIN_PACKAGE + ".")]
+    if stray or not eps:
+        found = f"entry points outside {BUILTIN_PACKAGE}: {', '.join(stray)}" if stray else "no entry points"
+        raise BuiltinPluginError(
+            f"the installed {DISTRIBUTION!r} metadata declares {found} in the {ENTRY_POINT_GROUP!r} group; "
+            "reinstall palestra (pip install -e .)"
+        )
+    return eps
+
+
 def _third_party_entry_points(
     names: _DistributionNames | None = None,
 ) -> dict[str, tuple[metadata.Distribution, list[metadata.EntryPoint]]]:
@@ -351,7 +328,7 @@ def _requested_distributions() -> set[str] | None:
     return {_normalise(part.strip()) for part in raw.split(",") if part.strip()}
 
 
-# ---- plugin API versions and renamed hooks ------------------------------------------------------------
+# ---- plugin API versions -----------------------------------------------------------------------------
 class IncompatiblePlugin(Exception):
     """A plugin declares plugin API versions that exclude this palestra's (or a specifier that cannot be read)."""
 
@@ -366,6 +343,12 @@ def _declared_api(plugin: object) -> str | None:
     return None if declared is None else str(declared)
 
 
+def _current_range() -> str:
+    """The specifier a plugin written for this palestra declares: this major version of the plugin API."""
+    major = int(hookspecs.PLUGIN_API.split(".")[0])
+    return f">={major}.0,<{major + 1}"
+
+
 def _check_api(plugin: object, name: str) -> None:
     """Raise :class:`IncompatiblePlugin` when the plugin's declared API range excludes :data:`hookspecs.PLUGIN_API`."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -378,37 +361,13 @@ def _check_api(plugin: object, name: str) -> None:
     except InvalidSpecifier:
         raise IncompatiblePlugin(
             f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} = {declared!r}, which is not a version specifier "
-            "(write e.g. '>=1.0,<2')", declared,
+            f"(write e.g. {_current_range()!r})", declared,
         ) from None
     if not supported.contains(hookspecs.PLUGIN_API, prereleases=True):
         raise IncompatiblePlugin(
             f"plugin {name!r} supports plugin API {declared}, but this palestra provides plugin API "
             f"{hookspecs.PLUGIN_API}; install a version of the plugin built for {hookspecs.PLUGIN_API}", declared,
         )
-
-
-class _RenamedHooks:
-    """A plugin seen through the current hook names: its old-name implementations answer to the new names."""
-
-    def __init__(self, plugin: object, renamed: dict[str, str]) -> None:
-        for name in dir(plugin):
-            if not name.startswith("_"):
-                setattr(self, renamed.get(name, name), getattr(plugin, name))
-
-
-def _with_current_hook_names(plugin: object, name: str) -> object:
-    """``plugin``, or an adapter of it when it implements hooks by a name :data:`hookspecs.RENAMED_HOOKS` retired."""
-    old = [h for h in hookspecs.RENAMED_HOOKS if callable(getattr(plugin, h, None))]
-    if not old:
-        return plugin
-    for hook in old:
-        warnings.warn(
-            f"plugin {name!r} implements {hook!r}, now called {hookspecs.RENAMED_HOOKS[hook]!r} (plugin API "
-            f"{hookspecs.PLUGIN_API}); the old name goes with the next plugin API version",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    return _RenamedHooks(plugin, {h: hookspecs.RENAMED_HOOKS[h] for h in old})
 
 
 # ---- registration ------------------------------------------------------------------------------------

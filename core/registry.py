@@ -3,6 +3,8 @@
 A component that needs an optional package registers its factory wrapped in :class:`Requires`; it is listed
 (``palestra plugins --all`` shows it as unavailable, with the install command) whether the package is there or
 not, and asking the registry for it while the package is missing is one line naming the package and the command.
+A component that imports an optional package itself raises :class:`MissingDependency` (``palestra.MissingDependency``)
+when it is missing: the one error for it, built-in or not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,37 @@ class RegistryError(LookupError):
         return str(self.args[0]) if self.args else ""
 
 
+class MissingDependency(ImportError):
+    """An optional Python package a component needs is missing: the one error every component raises for it.
+
+    One line naming what needs the package, the package, and the command that installs it (for palestra's own
+    components ``pip install "palestra[<extra>]"``)::
+
+        try:
+            import textarena
+        except ImportError as e:
+            raise MissingDependency("the textarena environment", "textarena", 'pip install "palestra[textarena]"', cause=e) from None
+
+    ``cause``, the ImportError met, tells a package that is not installed from one that fails to import (one of its
+    own imports missing, or too old a version), and the message says which. ``name`` is the package, as on
+    :class:`ModuleNotFoundError`.
+    """
+
+    palestra_user_error = True
+
+    def __init__(self, what: str, package: str, install: str, *, cause: ImportError | None = None) -> None:
+        self.what, self.install = what, install
+        super().__init__(f"{what} needs the Python package {package!r}, {_why_missing(package, cause)}; install it with: {install}",
+                         name=package)
+
+
+def _why_missing(package: str, cause: ImportError | None) -> str:
+    if cause is None or (isinstance(cause, ModuleNotFoundError) and (cause.name or "").split(".")[0] == package):
+        return "which is not installed"
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return f"which fails to import ({text})"
+
+
 @dataclass(frozen=True)
 class Requirement:
     """An optional Python package a component needs: its import name and the command that installs it."""
@@ -46,21 +79,15 @@ class Requirement:
         except (ImportError, ValueError):  # a broken or blocked package is as good as a missing one
             return False
 
-    def missing_message(self, what: str) -> str:
-        """One line: ``<what> needs the Python package '<module>', which is not installed; install it with: <install>``."""
-        return f"{what} needs the Python package {self.module!r}, which is not installed; install it with: {self.install}"
-
-
-class MissingPackageError(ImportError):
-    """A component's optional package is not installed; the message names it and the install command."""
-
-    palestra_user_error = True
+    def missing(self, what: str) -> MissingDependency:
+        """The error for ``what`` needing this package while it is not installed."""
+        return MissingDependency(what, self.module, self.install)
 
 
 class Requires:
     """A factory that needs an optional package: ``register("x", Requires(XEnv, module="x", install="pip install x"))``.
 
-    Calling it without the package raises :class:`MissingPackageError` (one line) before the factory runs, so the
+    Calling it without the package raises :class:`MissingDependency` (one line) before the factory runs, so the
     factory may import the package freely; :attr:`Registration.requires` reads the requirement for listings.
     """
 
@@ -72,7 +99,7 @@ class Requires:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.requirement.installed():
-            raise MissingPackageError(self.requirement.missing_message(_qualname(self.factory)))
+            raise self.requirement.missing(_qualname(self.factory))
         return self.factory(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -106,7 +133,8 @@ class Registration:
     def check_available(self) -> None:
         """Raise :class:`RegistryError` (one line, with the install command) when :attr:`available` is False."""
         if self.requires is not None and not self.requires.installed():
-            raise RegistryError(self.requires.missing_message(f"{self.kind} {self.name!r}"))
+            # a lookup that fails (so a config names the culprit key), worded as the component's MissingDependency
+            raise RegistryError(str(self.requires.missing(f"{self.kind} {self.name!r}")))
 
 
 @dataclass(frozen=True)

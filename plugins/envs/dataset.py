@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import ConfigError, OptionError, check_options, format_fields, option
+from palestra.registry import MissingDependency
 from palestra.types import Message, Observation, StepResult
 
 from palestra.plugins.envs._episodes import single_turn_step
@@ -192,7 +193,7 @@ def _read_parquet(path: Path, shown: str, key: str, data_split: str) -> tuple[li
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ConfigError(f"{WHERE}.{key}: reading Parquet needs pyarrow ({e}); install it with: {INSTALL_HINT}") from None
+        raise MissingDependency(f"{WHERE}.{key}: reading Parquet", "pyarrow", INSTALL_HINT, cause=e) from None
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises its own error types for a damaged or foreign file
@@ -204,7 +205,7 @@ def _read_disk(path: Path, shown: str, key: str, data_split: str) -> tuple[list[
     try:
         import datasets
     except ImportError as e:
-        raise ConfigError(f"{WHERE}.{key}: reading a saved dataset folder needs datasets ({e}); install it with: {INSTALL_HINT}") from None
+        raise MissingDependency(f"{WHERE}.{key}: reading a saved dataset folder", "datasets", INSTALL_HINT, cause=e) from None
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises FileNotFoundError for a folder it did not write, and others

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import ConfigError, OptionError, check_options, format_fields, option
-from palestra.registry import MissingPackageError, Requires
+from palestra.registry import MissingDependency, Requires
 from palestra.types import Message, Observation, RewardOutput, StepResult
 
 from palestra.plugins.envs._episodes import single_turn_step
@@ -52,13 +52,11 @@ _SET_BY_ENVIRONMENT = ("seed", "size")  # task_options may not set these: seed, 
 
 
 def import_reasoning_gym() -> Any:
-    """The ``reasoning_gym`` module, or a one-line :class:`MissingPackageError` naming the extra to install."""
+    """The ``reasoning_gym`` module, or a one-line :class:`~palestra.MissingDependency` naming the extra to install."""
     try:
         import reasoning_gym
     except ImportError as e:
-        raise MissingPackageError(
-            f"the reasoning_gym environment needs the reasoning_gym package ({e}); install it with: {INSTALL_HINT}"
-        ) from None
+        raise MissingDependency("the reasoning_gym environment", MODULE, INSTALL_HINT, cause=e) from None
     return reasoning_gym
 
 

@@ -59,7 +59,7 @@ from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, format_fields, option
-from palestra.registry import Requires
+from palestra.registry import MissingDependency, Requires
 from palestra.types import Message, Observation, StepResult
 
 from palestra.plugins.envs._episodes import draw_tasks, step_rows
@@ -85,20 +85,12 @@ class GameSetupError(ValueError):
         super().__init__(f"{key}: {self.message}")
 
 
-class MissingDependencyError(ImportError):
-    """The optional ``textarena`` package is not installed. The message says how to install it."""
-
-    palestra_user_error = True
-
-
 def import_textarena() -> Any:
-    """The ``textarena`` module, or a one-line :class:`MissingDependencyError` naming the extra to install."""
+    """The ``textarena`` module, or a one-line :class:`~palestra.MissingDependency` naming the extra to install."""
     try:
         import textarena
     except ImportError as e:
-        raise MissingDependencyError(
-            f"the textarena environment needs the textarena package ({e}); install it with: {INSTALL_HINT}"
-        ) from None
+        raise MissingDependency("the textarena environment", "textarena", INSTALL_HINT, cause=e) from None
     return textarena
 
 

@@ -1,8 +1,8 @@
 """The ``tensorboard`` logger: every metric as a scalar in ``<run_dir>/tensorboard`` (view with ``tensorboard --logdir runs``).
 
 It writes through ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package (the
-``palestra[tensorboard]`` extra). Without it the logger fails when it is built, before any model is
-loaded, with a one-line error that says how to install it.
+``palestra[tensorboard]`` extra). Without it ``palestra plugins --all`` lists the logger as unavailable, and a config
+naming it fails before any model is loaded, with a one-line error that says how to install it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
+from palestra.registry import MissingDependency, Requires
 
-
-class MissingDependencyError(ImportError):
-    """An optional package a logger needs is not installed. The message names the logger and the fix."""
-
-    palestra_user_error = True
+INSTALL_HINT = 'pip install "palestra[tensorboard]"'
 
 
 @dataclass
@@ -40,10 +37,8 @@ class TensorBoardLogger:
         self.options: TensorBoardOptions = check_options(TensorBoardOptions, options, where="tensorboard")
         try:  # imported here so a missing package is reported when the logger is built, not at the first log
             from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise MissingDependencyError(
-                f"the tensorboard logger needs the tensorboard package ({e}); install it with: pip install 'palestra[tensorboard]'"
-            ) from None
+        except ImportError as e:  # installed, but torch cannot use it (too old a version, a missing dependency)
+            raise MissingDependency("the tensorboard logger", "tensorboard", INSTALL_HINT, cause=e) from None
         self._writer_cls = SummaryWriter
         self._writer: Any = None
         self.log_dir: Path | None = None
@@ -74,4 +69,4 @@ class TensorBoardLogger:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("tensorboard", TensorBoardLogger, options=TensorBoardOptions, description="scalars to TensorBoard event files in <run_dir>/tensorboard")
+    register("tensorboard", Requires(TensorBoardLogger, module="tensorboard", install=INSTALL_HINT), options=TensorBoardOptions, description="scalars to TensorBoard event files in <run_dir>/tensorboard")

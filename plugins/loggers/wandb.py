@@ -3,8 +3,8 @@
 ``mode: offline`` (the default) writes the run under ``<run_dir>/wandb/offline-run-*`` and touches no
 network and no login; upload it later with ``wandb sync <run_dir>/wandb/offline-run-*``. ``mode: online``
 streams to the server and needs credentials already set up (``wandb login`` or ``WANDB_API_KEY``).
-Needs the ``wandb`` package (the ``palestra[wandb]`` extra); without it the logger fails when it is built,
-before any model is loaded, with a one-line error that says how to install it.
+Needs the ``wandb`` package (the ``palestra[wandb]`` extra); without it ``palestra plugins --all`` lists the logger as
+unavailable, and a config naming it fails before any model is loaded, with a one-line error that says how to install it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options
+from palestra.registry import MissingDependency, Requires
 
-from palestra.plugins.loggers.tensorboard import MissingDependencyError
+INSTALL_HINT = 'pip install "palestra[wandb]"'
 
 # Settings that keep an offline run quiet and self-contained: no console capture, no system-metrics sampler
 # thread, no git or pip inspection. Only those the installed wandb knows are passed (names changed over releases).
@@ -59,8 +60,8 @@ class WandbLogger:
         self.options: WandbOptions = check_options(WandbOptions, options, where="wandb")
         try:  # imported here so a missing package is reported when the logger is built, not at the first log
             import wandb
-        except ImportError as e:
-            raise MissingDependencyError(f"the wandb logger needs the wandb package ({e}); install it with: pip install 'palestra[wandb]'") from None
+        except ImportError as e:  # installed, but fails to import (a missing dependency of its own)
+            raise MissingDependency("the wandb logger", "wandb", INSTALL_HINT, cause=e) from None
         self._wandb = wandb
         self.run: Any = None
 
@@ -104,4 +105,4 @@ class WandbLogger:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("wandb", WandbLogger, options=WandbOptions, description="Weights & Biases (offline by default: files under <run_dir>/wandb, no network)")
+    register("wandb", Requires(WandbLogger, module="wandb", install=INSTALL_HINT), options=WandbOptions, description="Weights & Biases (offline by default: files under <run_dir>/wandb, no network)")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
 from palestra.config import ConfigError, OptionError, check_options, option
+from palestra.registry import Requirement, Requires
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
 WHERE = "policy.options"  # where the options sit in a config; errors name keys below it
 
 
+# What an option needs besides transformers (which the registration requires): a MissingDependency before any loading.
+OPTION_PACKAGES = {
+    "lora": Requirement("peft", 'pip install "palestra[lora]"'),
+    "gguf_file": Requirement("gguf", 'pip install "palestra[gguf]"'),
+}
 PACKAGE_PREFIX = "package:"  # path: package:NAME is the folder of the installed Python package NAME
 ALL_LINEAR = "all-linear"  # lora.target_modules: every linear layer but the output head (peft's shorthand)
 
@@ -633,6 +639,9 @@ def _base_reference_class() -> type:
 def build_hf_policy(**options: Any) -> Any:
     """The registered factory: :class:`LoRAHFPolicy` when ``lora`` is set, :class:`HFPolicy` otherwise."""
     checked = check_options(HFOptions, options, where=WHERE)
+    for key, needed in OPTION_PACKAGES.items():
+        if getattr(checked, key) is not None and not needed.installed():
+            raise needed.missing(f"{WHERE}.{key}")
     cls = _lora_policy_class() if checked.lora is not None else _policy_class()
     return cls(**options)
 
@@ -651,7 +660,7 @@ def __getattr__(name: str) -> Any:
 def register_policies(register: Any) -> None:
     register(
         "hf",
-        build_hf_policy,
+        Requires(build_hf_policy, module="transformers", install='pip install "palestra[hf]"'),
         options=HFOptions,
         description="a local HuggingFace transformers causal LM (a folder or a GGUF file) and its tokenizer, "
         "optionally with LoRA adapters (never downloads)",

@@ -26,11 +26,10 @@ PACKAGES = {
     "misspelt": REPO / "tests" / "fixtures" / "misspelt_plugin",  # implements register_reward
     "duplicate": REPO / "tests" / "fixtures" / "duplicate_plugin",  # registers the example's reward name again
     "fault": REPO / "tests" / "fixtures" / "fault_plugin",  # test-only fault injection through the lifecycle hooks
-    "future": REPO / "tests" / "fixtures" / "future_plugin",  # declares plugin API 2.x only
-    "renamed": REPO / "tests" / "fixtures" / "renamed_plugin",  # declares 1.x; implements a hook by a retired name
+    "future": REPO / "tests" / "fixtures" / "future_plugin",  # declares plugin API 3.x only
 }
 # The import names the packages install, so in-process tests can forget them afterwards.
-MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin", "palestra_fault_plugin", "palestra_future_plugin", "palestra_renamed_plugin")
+MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin", "palestra_fault_plugin", "palestra_future_plugin")
 ENV_VARS = ("PALESTRA_LOAD_PLUGINS", "PALESTRA_TRACE_PLUGINS")
 
 _sites: dict[str, Path] | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata as metadata
 import json
+import subprocess
+import sys
 import tomllib
 import warnings
 
@@ -18,7 +20,7 @@ import pytest
 import plugin_installs
 from palestra import cli, plugin_manager
 from palestra.cli.plugins import PLURALS
-from palestra.plugin_manager import DEFAULT_PLUGINS, BuiltinPluginError, PalestraPluginWarning, PluginError, PluginInfo
+from palestra.plugin_manager import BuiltinPluginError, PalestraPluginWarning, PluginError, PluginInfo
 from palestra.registry import RegistryError
 
 pip_install = pytest.mark.pip_install
@@ -36,19 +38,34 @@ def load_recording_warnings() -> tuple[list[PluginInfo], list[str]]:
 
 
 # ---- built-ins -----------------------------------------------------------------------------------------
-def test_builtins_are_declared_as_entry_points_in_pyproject_and_the_installed_metadata() -> None:
-    pyproject = tomllib.loads((plugin_installs.REPO / "pyproject.toml").read_text())
-    declared = pyproject["project"]["entry-points"]["palestra"]
-    assert sorted(declared.values()) == sorted(DEFAULT_PLUGINS)
+def declared_builtins() -> dict[str, str]:
+    """pyproject.toml's [project.entry-points.palestra]: entry-point name -> module."""
+    return tomllib.loads((plugin_installs.REPO / "pyproject.toml").read_text())["project"]["entry-points"]["palestra"]
+
+
+# The built-ins load in module order: grouped by kind (the folder), then by name.
+BUILTIN_MODULES = sorted(declared_builtins().values())
+
+
+def test_every_plugin_module_is_an_entry_point_and_the_install_is_current() -> None:
+    # A module under plugins/ that implements hooks but is not an entry point would never be loaded.
+    plugins = plugin_installs.REPO / "plugins"
+    hooked = sorted(
+        ".".join(("palestra", *f.relative_to(plugins.parent).with_suffix("").parts)).removesuffix(".__init__")
+        for f in plugins.rglob("*.py")
+        if "@hookimpl" in f.read_text()
+    )
+    assert BUILTIN_MODULES == hooked
     installed = metadata.distribution("palestra").entry_points.select(group="palestra")
-    assert {ep.name: ep.value for ep in installed} == declared, "stale install: run pip install -e . --no-deps"
+    assert {ep.name: ep.value for ep in installed} == declared_builtins(), "stale install: run pip install -e . --no-deps"
 
 
-def test_builtins_load_first_in_order_and_are_attributed_to_palestra(in_process) -> None:
+def test_builtins_load_first_in_module_order_and_are_attributed_to_palestra(in_process) -> None:
     in_process.use()
     infos, warned = load_recording_warnings()
     builtins = [i for i in infos if i.builtin]
-    assert [i.module for i in builtins] == list(DEFAULT_PLUGINS)
+    assert [i.module for i in builtins] == BUILTIN_MODULES
+    assert [i.name for i in builtins][:3] == ["arithmetic", "customer_service", "dataset"]
     assert infos[: len(builtins)] == builtins
     assert {(i.distribution, i.version, i.error) for i in builtins} == {("palestra", metadata.version("palestra"), None)}
     for reg in plugin_manager.get_registry():
@@ -57,11 +74,45 @@ def test_builtins_load_first_in_order_and_are_attributed_to_palestra(in_process)
     assert warned == []
 
 
-def test_a_builtin_missing_from_the_installed_metadata_is_a_hard_error(in_process, monkeypatch) -> None:
+def fake_palestra_metadata(tmp_path, entry_points: str) -> metadata.Distribution:
+    """An installed palestra's metadata folder (as pip writes it) declaring ``entry_points``."""
+    info = tmp_path / "palestra-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palestra\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    return metadata.PathDistribution(info)
+
+
+@pytest.mark.parametrize(
+    ("entry_points", "error"),
+    [
+        ("[palestra]\narithmetic = palestra.plugins.envs.arithmetic\nodd = palestra.cli.plugins\n",
+         r"declares entry points outside palestra\.plugins: odd = palestra\.cli\.plugins in the 'palestra' group"),
+        ("[console_scripts]\npalestra = palestra.cli:main\n", r"declares no entry points in the 'palestra' group"),
+    ],
+)
+def test_palestra_metadata_without_its_builtins_is_a_hard_error(in_process, monkeypatch, tmp_path, entry_points, error) -> None:
     in_process.use()
-    monkeypatch.setattr(plugin_manager, "DEFAULT_PLUGINS", (*DEFAULT_PLUGINS, "palestra.plugins.rewards.not_declared"))
-    with pytest.raises(BuiltinPluginError, match=r"not declared as entry points: \['palestra\.plugins\.rewards\.not_declared'\]"):
+    dist = fake_palestra_metadata(tmp_path, entry_points)
+    monkeypatch.setattr(plugin_manager.metadata, "distribution", lambda name: dist)
+    with pytest.raises(BuiltinPluginError, match=error + r"; reinstall palestra \(pip install -e \.\)$"):
         plugin_manager.get_plugin_manager()
+
+
+@pip_install
+@pytest.mark.slow
+def test_builtins_load_from_a_non_editable_install_in_a_folder_of_its_own(tmp_path) -> None:
+    # What bench/bitwise_before_after.py does: `pip install --target` (a wheel's metadata, not the editable finder).
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
+           "--no-compile", "--disable-pip-version-check", "--quiet", "--target", str(site), str(plugin_installs.REPO)]
+    subprocess.run(pip, check=True, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    code = ("import json, palestra; from palestra.plugin_manager import plugin_infos; "
+            "print(json.dumps([palestra.__file__, [i.module for i in plugin_infos() if i.builtin]]))")
+    out = plugin_installs.run_python(["-c", code], [site], tmp_path)
+    assert out.returncode == 0, out.stderr
+    where, modules = json.loads(out.stdout)
+    assert where.startswith(str(site)) and modules == BUILTIN_MODULES
 
 
 @pip_install
@@ -156,7 +207,7 @@ def test_load_plugins_empty_loads_no_third_party_plugin_but_every_builtin(in_pro
     infos, warned = load_recording_warnings()
     assert warned == []
     assert all(i.builtin for i in infos)
-    assert [i.module for i in infos] == list(DEFAULT_PLUGINS)
+    assert [i.module for i in infos] == BUILTIN_MODULES
     assert ("reward", "keyword_coverage") not in plugin_manager.get_registry()
 
 
@@ -167,7 +218,7 @@ def test_load_plugins_named_loads_only_that_distribution(in_process, sites) -> N
     infos, warned = load_recording_warnings()
     assert warned == []
     assert [i.distribution for i in infos if not i.builtin] == ["palestra-example-plugin"]
-    assert [i.module for i in infos if i.builtin] == list(DEFAULT_PLUGINS)
+    assert [i.module for i in infos if i.builtin] == BUILTIN_MODULES
 
 
 @pip_install
@@ -230,7 +281,7 @@ def test_cli_plugins_all_json_lists_builtins_and_the_example(in_process, sites, 
     assert result.stderr == ""
     rows = json.loads(result.stdout)
     builtins = [r for r in rows if r["builtin"]]
-    assert [r["module"] for r in builtins] == list(DEFAULT_PLUGINS)
+    assert [r["module"] for r in builtins] == BUILTIN_MODULES
     assert all(r["distribution"] == "palestra" and r["error"] is None for r in builtins)
     # What each built-in registered, as this process's registry has it.
     in_process.use(PALESTRA_LOAD_PLUGINS="")
@@ -280,11 +331,11 @@ def test_cli_plugins_table(in_process, sites, capsys) -> None:
         warnings.simplefilter("ignore", PalestraPluginWarning)
         assert cli.main(["plugins"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines.pop(0) == "palestra 0.1.0, plugin API 1.0"
+    assert lines.pop(0) == "palestra 0.1.0, plugin API 2.0"
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "HOOKS", "REGISTERS"]
     assert lines[1].split()[:4] == ["broken", "palestra-broken-plugin", "0.0.1", "-"]
     assert "FAILED: ModuleNotFoundError" in lines[1]
-    assert lines[2].split() == ["example", "palestra-example-plugin", "0.1.0", "(API", ">=1.0,<2)", "register_environments",
+    assert lines[2].split() == ["example", "palestra-example-plugin", "0.1.0", "(API", ">=2.0,<3)", "register_environments",
                                 "environments:", "word_usage"]
     assert lines[3].split() == ["register_rewards", "rewards:", "keyword_coverage"]
     assert len(lines) == 4  # built-ins only with --all

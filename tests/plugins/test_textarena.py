@@ -20,7 +20,7 @@ from palestra.multiagent.credit import credit_rewards
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs import textarena as ta_env
 from palestra.plugins.envs.textarena import TextArenaEnv
-from palestra.registry import Registration
+from palestra.registry import MissingDependency, Registration
 from palestra.types import Environment, Observation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,8 +100,10 @@ def test_without_the_package_building_it_is_a_one_line_error_naming_the_extra(mo
         env(game="TicTacToe-v0")
     msg = str(e.value)
     assert 'pip install "palestra[textarena]"' in msg and "\n" not in msg and msg.startswith("environment.name: ")
-    with pytest.raises(ta_env.MissingDependencyError, match=r'pip install "palestra\[textarena\]"'):
+    with pytest.raises(MissingDependency) as missing:
         ta_env.import_textarena()
+    assert str(missing.value) == ("the textarena environment needs the Python package 'textarena', which is not installed; "
+                                  'install it with: pip install "palestra[textarena]"')
 
 
 def test_options_are_checked_before_the_package_is_needed() -> None:

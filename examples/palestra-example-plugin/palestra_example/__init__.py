@@ -12,7 +12,7 @@ from .reward import KeywordCoverage, KeywordOptions
 
 __version__ = "0.1.0"
 # The plugin API versions this plugin is written for: palestra disables it, with one warning, if it provides another.
-PALESTRA_PLUGIN_API = ">=1.0,<2"
+PALESTRA_PLUGIN_API = ">=2.0,<3"
 
 
 @hookimpl
