@@ -25,19 +25,19 @@ import torch
 
 from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
-from .utils import check, check_tensor, shape_str, dtype_name
+from .utils import check, check_tensor, dtype_name, shape_str
 
 __all__ = [
-    "gae",
-    "discounted_returns",
-    "group_advantages",
-    "rloo_advantages",
-    "gae_reference",
-    "discounted_returns_reference",
-    "group_advantages_reference",
-    "rloo_advantages_reference",
-    "masked_whiten",
     "SCALES",
+    "discounted_returns",
+    "discounted_returns_reference",
+    "gae",
+    "gae_reference",
+    "group_advantages",
+    "group_advantages_reference",
+    "masked_whiten",
+    "rloo_advantages",
+    "rloo_advantages_reference",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -48,7 +48,7 @@ from .build import CPU_LIBRARY, CUDA_LIBRARY, NativeLibrary
 from .dispatch import KernelOp
 from .utils import check, check_tensor, shape_str
 
-__all__ = ["linear_logprob_entropy", "DEFAULT_CHUNK_BYTES", "chunk_rows_for"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_rows_for", "linear_logprob_entropy"]
 
 OP = "linear_logprob_entropy"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

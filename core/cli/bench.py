@@ -130,7 +130,7 @@ def run_cases(cases: list[dict], device: str, min_time: float, echo: Callable[[s
             seconds = time_call(case["fn"], device, min_time)
             peak = peak_memory(case["fn"], device)
             error = None
-        except Exception as e:  # a missing optional baseline (e.g. trl not installed) must not stop the run
+        except Exception as e:  # noqa: BLE001 - a missing optional baseline (e.g. trl not installed) must not stop the run
             seconds, peak, error = math.nan, None, f"{type(e).__name__}: {e}".splitlines()[0]
         rows.append(
             {

@@ -1,4 +1,5 @@
-"""Reading a config: a YAML or TOML file over the built-in default, then dotted ``key=value`` overrides, then validation."""
+"""Reading a config: a YAML or TOML file over the built-in default, then dotted ``key=value`` overrides, then
+validation."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from palestra.registry import Registry
 
 from .errors import ConfigError
 from .schema import Config
-from .validation import _ACTIVE_REGISTRY, _Override, _convert, _join, _kind_of, default_registry, to_plain
+from .validation import _ACTIVE_REGISTRY, _convert, _join, _kind_of, _Override, default_registry, to_plain
 
 # ---- loading -----------------------------------------------------------------------------------------
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
@@ -97,8 +99,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError(
-            f"{p}: the top level must be a mapping of sections ({', '.join(f.name for f in dataclasses.fields(Config))}), "
-            f"got {_kind_of(data)}"
+            f"{p}: the top level must be a mapping of sections "
+            f"({', '.join(f.name for f in dataclasses.fields(Config))}), got {_kind_of(data)}"
         )
     return dict(data)
 

@@ -59,10 +59,9 @@ from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, format_fields, option
+from palestra.plugins.envs._episodes import draw_tasks, step_rows
 from palestra.registry import Requires
 from palestra.types import Message, Observation, StepResult
-
-from palestra.plugins.envs._episodes import draw_tasks, step_rows
 
 INSTALL_HINT = 'pip install "palestra[textarena]"'
 OPPONENT_KINDS = ("random", "first", "fixed:<action>")
@@ -109,7 +108,8 @@ def agent_name(player: int) -> str:
 
 @dataclass
 class TextArenaOptions:
-    game: str = "TicTacToe-v0"  # a textarena game id; "-raw" ids skip the game's wrappers, "-train" ids use its training wrappers
+    # a textarena game id; "-raw" ids skip the game's wrappers, "-train" ids use its training wrappers
+    game: str = "TicTacToe-v0"
     num_players: int | None = option(None, ge=1)  # None: the first count the game accepts of 2, 1, 3, 4, ..., 8
     opponents: dict[str, str] = field(default_factory=dict)  # player id -> "random" | "first" | "fixed:<action>"
     game_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the game (e.g. num_rounds: 3)
@@ -153,7 +153,8 @@ class _Row:
 
 
 class TextArenaEnv:
-    """textarena games as batched, turn-based episodes. See the module docstring and :class:`palestra.types.Environment`."""
+    """textarena games as batched, turn-based episodes. See the module docstring and
+    :class:`palestra.types.Environment`."""
 
     def __init__(self, **options: Any) -> None:
         self.options: TextArenaOptions = check_options(TextArenaOptions, options, where="textarena")
@@ -196,7 +197,7 @@ class TextArenaEnv:
         with _saved_random():
             try:
                 self._make().reset(num_players=players, seed=0)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - sorted below: a wrong player count, or a game that cannot start
                 if isinstance(e, TypeError) and self.options.game_options:  # most likely a keyword the game does not take
                     raise GameSetupError("game_options", f"{self.options.game} could not start: {_one_line(e)}") from None
                 if not isinstance(e, (AssertionError, ValueError)):
@@ -347,7 +348,8 @@ class TextArenaEnv:
         return valid
 
     def _accepts(self, row: _Row, action: str) -> bool:
-        """Whether the game accepts ``action`` now: tried on a copy, leaving the game and its random state as they were."""
+        """Whether the game accepts ``action`` now: tried on a copy, leaving the game and its random state as they
+        were."""
         saved = random.getstate()
         try:
             trial = copy.deepcopy(row.game)
@@ -355,7 +357,7 @@ class TextArenaEnv:
             self._record_invalid_moves(trial.state, rejected)
             trial.step(action=action)
             return not rejected
-        except Exception:
+        except Exception:  # noqa: BLE001 - a move the game cannot take, however it says so, is not accepted
             return False
         finally:
             random.setstate(saved)
@@ -569,7 +571,10 @@ def register_environments(register: Any) -> None:
         "textarena",
         Requires(TextArenaEnv, module="textarena", install=INSTALL_HINT),
         options=TextArenaOptions,
-        description=f"textarena's text games (TicTacToe-v0, IteratedRockPaperScissors-v0, ...), one agent per player ({INSTALL_HINT})",
+        description=(
+            f"textarena's text games (TicTacToe-v0, IteratedRockPaperScissors-v0, ...), one agent per player "
+            f"({INSTALL_HINT})"
+        ),
     )
 
 
