@@ -59,6 +59,8 @@ def load_cases(bench_dir: Path, device: str, quick: bool, ops: set[str]) -> list
     cases: list[dict] = []
     for path in sorted(bench_dir.glob("cases_*.py")):
         spec = importlib.util.spec_from_file_location(f"palestra_bench_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"--bench-dir: {path} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,11 +73,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             f"{p}:{line}: not UTF-8 text (byte 0x{data_bytes[e.start]:02x} at offset {e.start}); save the file as UTF-8"
         ) from None
     if suffix == ".toml":
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ModuleNotFoundError:  # Python 3.10
+        else:
             try:
-                import tomli as tomllib  # type: ignore[no-redef]
+                import tomli as tomllib
             except ModuleNotFoundError:
                 raise ConfigError(f"config file {str(p)!r}: reading TOML needs Python 3.11+ or the tomli package") from None
         try:

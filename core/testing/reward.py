@@ -123,9 +123,9 @@ def _score(reward: Any, c: Contract, prompts: list[str], completions: list[str],
     for key, value in output.components.items():
         c.require(_is_float_tensor(value) and tuple(value.shape) == (b,), method, "components are [B] float tensors",
                   f"component {key!r} is {_describe(value)}; expected a float tensor of shape [{b}]")
-    for key, value in output.metrics.items():
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        c.require(ok, method, "metrics are finite numbers", f"metric {key!r} is {_describe(value)}")
+    for key, metric in output.metrics.items():
+        ok = isinstance(metric, numbers.Real) and not isinstance(metric, bool) and math.isfinite(metric)
+        c.require(ok, method, "metrics are finite numbers", f"metric {key!r} is {_describe(metric)}")
     return output
 
 

@@ -149,7 +149,13 @@ class _Row:
     latest: list[tuple[int, str, Any]] = field(default_factory=list)  # the acting player's new messages
     text: str = ""  # the acting player's rendered observation
     rejected: list[str] = field(default_factory=list)  # reasons of the invalid moves, in order
-    observation: Observation | None = None
+    observation: Observation | None = None  # None once the row is done
+
+
+def _live_observation(row: _Row) -> Observation:
+    """The observation a live row's last turn made (every row that is not done has one)."""
+    assert row.observation is not None, "a live textarena row has its observation"
+    return row.observation
 
 
 class TextArenaEnv:
@@ -221,11 +227,11 @@ class TextArenaEnv:
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:
         seeds = draw_tasks(lambda rng: rng.getrandbits(31), self._rng, batch_size, seed, group_size, "textarena")
         self._rows = [self._start(s) for s in seeds]
-        return [r.observation for r in self._rows]  # type: ignore[misc]
+        return [_live_observation(r) for r in self._rows]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
         # The game decides when a row ends; its next observation is made when its turn is played (_act).
-        return step_rows("textarena", self._rows, actions, self._act, lambda row: row.observation, lambda row: row.done)
+        return step_rows("textarena", self._rows, actions, self._act, _live_observation, lambda row: row.done)
 
     # ---- scripted play and the legal-move helper -----------------------------------------------------------
     def legal_moves(self, observation: Observation) -> list[str]:
