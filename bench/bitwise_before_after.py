@@ -110,7 +110,8 @@ def compare_metrics(a: Path, b: Path) -> str | None:
         if ra != rb:
             keys = sorted(set(ra) | set(rb))
             diff = [k for k in keys if ra.get(k, "<missing>") != rb.get(k, "<missing>")]
-            return f"metrics.jsonl line {i} differs at {', '.join(diff[:4])}: {[ra.get(k) for k in diff[:2]]} vs {[rb.get(k) for k in diff[:2]]}"
+            before, after = [ra.get(k) for k in diff[:2]], [rb.get(k) for k in diff[:2]]
+            return f"metrics.jsonl line {i} differs at {', '.join(diff[:4])}: {before} vs {after}"
     return None
 
 
@@ -161,7 +162,8 @@ def compare_checkpoints(a: Path, b: Path) -> str | None:
             # a run (it is saved so that a plugin that uses it resumes exactly), so it differs between any two runs
             del flat[key]
     if set(fa) != set(fb):
-        return f"checkpoint keys differ: only before {sorted(set(fa) - set(fb))[:3]}, only after {sorted(set(fb) - set(fa))[:3]}"
+        only_before, only_after = sorted(set(fa) - set(fb))[:3], sorted(set(fb) - set(fa))[:3]
+        return f"checkpoint keys differ: only before {only_before}, only after {only_after}"
     for key in fa:
         x, y = fa[key], fb[key]
         if _is_tensor(x) or _is_tensor(y):
@@ -206,7 +208,8 @@ def main() -> int:
                 runs["before"] / "checkpoint.pt", runs["after"] / "checkpoint.pt"
             )
             lines = len((runs["after"] / "metrics.jsonl").read_text().splitlines())
-            print(f"{name:24s} {'DIFFERS: ' + problem if problem else f'identical ({lines} metric lines, checkpoint tensors bitwise)'}", flush=True)
+            verdict = f"DIFFERS: {problem}" if problem else f"identical ({lines} metric lines, checkpoint tensors bitwise)"
+            print(f"{name:24s} {verdict}", flush=True)
             failed += problem is not None
     finally:
         for side in sides:

@@ -83,7 +83,7 @@ def torchrl_inputs(rewards, values, mask):
     terminal end: bootstrap value 0). The padding after it ends at T - 1 as a trajectory of its own (its
     outputs are ignored); flagging every padding step instead would split it into one-step trajectories,
     which torchrl pads to T each (a ~T-fold slowdown that says nothing about GAE itself)."""
-    B, T = rewards.shape
+    T = rewards.shape[1]
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
     lengths = mask.sum(1)
     steps = torch.arange(T, device=mask.device)[None, :]
@@ -339,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     txt.write_text(table + "\n\n" + "\n".join([
         f"Re-measured {when} (commit {commit} + working tree), {threads} thread(s): {', '.join(sorted(ops))}.",
-        f"Those rows: `OMP_NUM_THREADS={threads} python bench/cases_advantages.py --update {path.as_posix()}`, the",
-        f"implementations of each (op, size) timed alternately ({args.min_time:g} s a group, medians of single calls).",
-        "`torch` is Palestra's own torch back end, the reference that `auto` is held to, timed through the same",
-        "public call and wrapper as `cpp`; `torch-eager` is the bare TRL-style float32 peer (reported, not the rule).",
+        f"Those rows: `OMP_NUM_THREADS={threads} python bench/cases_advantages.py --update {path.as_posix()}`,",
+        f"the implementations of each (op, size) timed alternately ({args.min_time:g} s a group, medians of",
+        "single calls). `torch` is Palestra's own torch back end, the reference that `auto` is held to, timed",
+        "through the same public call and wrapper as `cpp`; `torch-eager` is the bare TRL-style float32 peer",
+        "(reported, not the rule).",
         "Every other row is the original `palestra bench` run (meta.threads threads).",
         *notes,
     ]) + "\n")

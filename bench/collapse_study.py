@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from robustness import BARE_ANSWER, run_one  # noqa: E402
+from robustness import BARE_ANSWER, run_one
 
 # name -> (what it tests, overrides on top of the example config)
 HYPOTHESES: dict[str, tuple[str, list[str]]] = {

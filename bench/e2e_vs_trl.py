@@ -1,11 +1,12 @@
 """End-to-end GRPO step speed on the CPU: Palestra's ``Trainer`` against TRL's ``GRPOTrainer``, in one process.
 
 Both train the same local model (the same folder, read by both) on the same prompts, step for step (the tasks
-Palestra's ``arithmetic`` environment draws at each step, fed to TRL in that order), with the same group size, completion length, learning rate, KL coefficient to a frozen
-reference (``beta > 0``), optimiser (AdamW, constant rate, no weight decay, gradient norm clipped at 1),
-sampling (temperature 1, no top-p / top-k) and torch thread count. The steps alternate, never side by side:
-TRL runs its own training loop and a callback runs one Palestra step after each TRL step, outside TRL's
-timing; the first step of each (the warm-up: lazy builds, first allocations) is not counted.
+Palestra's ``arithmetic`` environment draws at each step, fed to TRL in that order), with the same group size,
+completion length, learning rate, KL coefficient to a frozen reference (``beta > 0``), optimiser (AdamW, constant
+rate, no weight decay, gradient norm clipped at 1), sampling (temperature 1, no top-p / top-k) and torch thread
+count. The steps alternate, never side by side: TRL runs its own training loop and a callback runs one Palestra
+step after each TRL step, outside TRL's timing; the first step of each (the warm-up: lazy builds, first
+allocations) is not counted.
 
 Models (``--model``), built once into ``--cache`` (nothing is downloaded):
 
@@ -293,7 +294,7 @@ def summarise(args: argparse.Namespace, timings: dict[str, list[float]], lengths
     # Each TRL step against the Palestra step right after it: less sensitive to load that drifts during the run.
     pairs = [t / p for t, p in zip(timings["trl"][1:], timings["palestra"][1:])]
     out["ratio_step_pairs_median"] = statistics.median(pairs)
-    keys = [k for k in breakdown[-1]] if breakdown else []
+    keys = list(breakdown[-1]) if breakdown else []
     out["palestra"]["breakdown_median"] = {k: statistics.median(b[k] for b in breakdown[1:] if k in b) for k in keys
                                            if len(breakdown) > 1}
     return out

@@ -146,7 +146,7 @@ def check_backend(backend: str, device: str, small: bool) -> list[str]:
             state = K.RunningMoments(num_segments=S, device=device)
             out = K.normalize_rewards(r, state, segment_ids=seg if S > 1 else None, clip=5.0)
             _close(f"normalize_rewards {N} segments={S}", out, ref_normalize(r, seg if S > 1 else torch.zeros_like(seg), S, 5.0), 1e-4, 1e-4, failures)
-    except Exception as e:  # a crash is a failed check, reported with its reason, and the run goes on
+    except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported with its reason, and the run goes on
         traceback.print_exc()
         failures.append(f"{backend}: crashed: {type(e).__name__}: {e}".splitlines()[0])
     finally:
@@ -216,13 +216,14 @@ def main(argv=None) -> int:
                 continue  # e.g. the cpp rows on a GPU run
             try:
                 seconds = timed(case["fn"], device)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a case that fails is reported, and the others still run
                 print(f"    {case['op']:<22} {case['size']:<22} {case['impl']:<16} failed: {type(e).__name__}: {e}")
                 continue
             gbps = case.get("bytes", 0) / seconds / 1e9 if case.get("bytes") else math.nan
             frac = (case.get("bytes", 0) / seconds) / bw if case.get("bytes") else math.nan
             rows.append({**{k: case[k] for k in ("op", "size", "impl")}, "seconds": seconds, "gbps": gbps, "of_copy_bw": frac})
-            print(f"    {case['op']:<22} {case['size']:<22} {case['impl']:<16} {seconds * 1e3:9.3f} ms {gbps:8.1f} GB/s {frac * 100:6.1f}% of copy")
+            print(f"    {case['op']:<22} {case['size']:<22} {case['impl']:<16} {seconds * 1e3:9.3f} ms "
+                  f"{gbps:8.1f} GB/s {frac * 100:6.1f}% of copy")
 
     bad = sum(len(f) for f in failures.values()) + sum(1 for b in builds.values() if b.startswith("FAILED"))
     print(f"gpu_check: {bad} failure(s)" + "".join(f"\n  {b}: {', '.join(f)}" for b, f in failures.items() if f))

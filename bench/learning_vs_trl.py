@@ -1,7 +1,8 @@
 """Learning, not speed: Palestra's GRPO against TRL's ``GRPOTrainer`` on the same small random HF model.
 
     python bench/learning_vs_trl.py                              # 400 steps each, seed 0
-    python bench/learning_vs_trl.py --steps 400 --seeds 0 1 --out bench/results/learning_vs_trl.json --plot bench/results/learning_vs_trl.png
+    python bench/learning_vs_trl.py --steps 400 --seeds 0 1 \\
+        --out bench/results/learning_vs_trl.json --plot bench/results/learning_vs_trl.png
 
 Both sides train, from the same random weights (one folder, read by both), a 2-layer Llama (hidden 64) with a
 17-token character vocabulary (``0-9 + = space`` and four specials), built here (nothing is downloaded), on the
@@ -9,9 +10,9 @@ Both sides train, from the same random weights (one folder, read by both), a 2-l
 1.0 when the completion is exactly the sum (Palestra's ``correctness`` reward with ``tag: null``, called by both
 sides), else 0. Both generate ``--new-tokens`` tokens (default: as many as the largest sum has digits, so that every
 answer can be written; 1 for the 25 facts, where a random model's first token is the right digit about 1 time in 17,
-and 2 for ``--max-operand 9``, the 100 facts, where a one-digit answer must be followed by EOS). Same batch (``--batch`` prompts x ``--group`` completions), steps,
-sampling (temperature 1, no top-p / top-k), optimiser (AdamW, no weight decay, gradient norm clipped at 1),
-learning rate (``--lr``), clip range 0.2 and no KL term.
+and 2 for ``--max-operand 9``, the 100 facts, where a one-digit answer must be followed by EOS). Same batch
+(``--batch`` prompts x ``--group`` completions), steps, sampling (temperature 1, no top-p / top-k), optimiser
+(AdamW, no weight decay, gradient norm clipped at 1), learning rate (``--lr``), clip range 0.2 and no KL term.
 
 What differs is each library's GRPO as its user would run it: TRL's defaults (``loss_type="dapo"``,
 ``scale_rewards="group"``), and Palestra's GRPO as ``examples/grpo.yaml`` sets it (see docs/learning.md);

@@ -40,8 +40,8 @@ def config(lora: dict[str, Any] | None, steps: int) -> dict[str, Any]:
         "policy": {"name": "hf", "options": {**MODEL, "lora": lora}},
         "optimizer": {"name": "grpo", "options": {"beta": 0.04}},
         "loggers": [],
-        "train": {"steps": steps, "batch_size": 2, "group_size": 2, "max_new_tokens": 8, "eval_size": 2, "device": "cpu",
-                  "dtype": "float32"},
+        "train": {"steps": steps, "batch_size": 2, "group_size": 2, "max_new_tokens": 8, "eval_size": 2,
+                  "device": "cpu", "dtype": "float32"},
     }  # fmt: skip
 
 

@@ -1,8 +1,8 @@
 """The standard multi-agent check: MAPPO (and IPPO) on PettingZoo/MPE2 ``simple_spread_v3`` against a random policy.
 
-Issue 6, point 6: the generic MAPPO math of :mod:`palestra.plugins.optimizers.mappo.per_agent` (per-agent GAE, per-agent value
-normalisation, PPO clip for actor and critic, per-agent advantage normalisation, per-group gradient clipping)
-must improve clearly over a random policy on a standard cooperative task within a CPU budget. This file holds
+Issue 6, point 6: the generic MAPPO math of :mod:`palestra.plugins.optimizers.mappo.per_agent` (per-agent GAE,
+per-agent value normalisation, PPO clip for actor and critic, per-agent advantage normalisation, per-group gradient
+clipping) must improve clearly over a random policy on a standard cooperative task within a CPU budget. This file holds
 
 * :class:`ParallelEnvAdapter`, a thin adapter from any PettingZoo *parallel* env to batched tensors
   (``obs [n_envs, n_agents, obs_dim]``, global ``state [n_envs, state_dim]``, ``rewards``/``dones
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+
 from palestra.plugins.optimizers.mappo.per_agent import (
     ValueNormalizer,
     normalize_advantages_per_agent,
@@ -38,7 +40,6 @@ from palestra.plugins.optimizers.mappo.per_agent import (
     per_agent_gae,
 )
 from palestra.rl import clipped_surrogate, value_loss
-from torch import nn
 
 __all__ = ["MAPPOConfig", "MAPPOTrainer", "ParallelEnvAdapter", "StepResult", "main", "make_simple_spread", "random_policy_return"]
 
@@ -133,7 +134,10 @@ class ParallelEnvAdapter:
         """Step every env that is still running with ``actions [E, A]`` (ints; entries of gone agents are ignored)."""
         acts = np.asarray(actions.cpu() if isinstance(actions, torch.Tensor) else actions)
         if acts.shape != (self.n_envs, self.n_agents):
-            raise ValueError(f"ParallelEnvAdapter.step: actions has shape {list(acts.shape)}, expected [{self.n_envs}, {self.n_agents}]")
+            raise ValueError(
+                f"ParallelEnvAdapter.step: actions has shape {list(acts.shape)}, "
+                f"expected [{self.n_envs}, {self.n_agents}]"
+            )
         E, A = self.n_envs, self.n_agents
         rewards = np.zeros((E, A), dtype=np.float32)
         term = np.ones((E, A), dtype=bool)
@@ -209,8 +213,8 @@ class MAPPOTrainer:
     One update = ``n_envs`` full episodes; rows of the update batch are one agent's episode each
     (``[n_envs * n_agents, T]``), so GAE runs per agent along its own trajectory with a truncation bootstrap
     from the value of the final observation. The critic regresses per-agent normalised returns
-    (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`), advantages are normalised per agent, and actor and critic are
-    clipped as two gradient groups (their separate optimisers, as in MAPPO).
+    (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`), advantages are normalised per agent, and
+    actor and critic are clipped as two gradient groups (their separate optimisers, as in MAPPO).
     """
 
     def __init__(self, adapter: ParallelEnvAdapter, config: MAPPOConfig):
@@ -332,8 +336,8 @@ class MAPPOTrainer:
             metrics = self.update(data)
             self.curve.append((self.env_steps, ret))
             if log is not None and len(self.curve) % 20 == 0:
-                log(f"{self.cfg.critic:>7} steps {self.env_steps:>7} return {ret:8.2f} entropy {metrics['entropy']:.3f} "
-                    f"kl {metrics['approx_kl']:.4f} clip {metrics['clip_frac']:.3f}")
+                log(f"{self.cfg.critic:>7} steps {self.env_steps:>7} return {ret:8.2f} "
+                    f"entropy {metrics['entropy']:.3f} kl {metrics['approx_kl']:.4f} clip {metrics['clip_frac']:.3f}")
         return self.curve
 
 
@@ -470,9 +474,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         runs[r.name] = {"env_steps": r.env_steps, "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1), "final_training_return": r.final_return,
                         "eval_greedy": {"mean": g_mean, "stderr": g_se}, "eval_sampled": {"mean": s_mean, "stderr": s_se},
                         "greedy_gain_over_random": {"mean": gain, "stderr": gain_se}, "config": r.config, "curve": r.curve}
-        print(f"{r.name}: {r.env_steps} env steps in {r.wall_s:.0f} s wall, {r.cpu_s:.0f} s CPU; training return {r.final_return:.2f}; "
-              f"eval greedy {g_mean:.2f} +- {g_se:.2f}, sampled {s_mean:.2f} +- {s_se:.2f}; "
-              f"gain over random {gain:+.2f} +- {gain_se:.2f} (paired)")
+        print(f"{r.name}: {r.env_steps} env steps in {r.wall_s:.0f} s wall, {r.cpu_s:.0f} s CPU; "
+              f"training return {r.final_return:.2f}; eval greedy {g_mean:.2f} +- {g_se:.2f}, "
+              f"sampled {s_mean:.2f} +- {s_se:.2f}; gain over random {gain:+.2f} +- {gain_se:.2f} (paired)")
     summary = {
         "env": "mpe2.simple_spread_v3(N=3, max_cycles=25, continuous_actions=False, local_ratio=0.5)",
         "metric": "agent episode return (sum of one agent's rewards over the episode, mean over agents)",
@@ -487,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     (args.out / "simple_spread.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(results, rand_mean, args.out / "simple_spread.png",
          f"MPE2 simple_spread_v3 (N=3), seed {args.seed}, {args.threads} CPU thread(s)")
-    print(f"wrote {args.out / 'simple_spread.json'} and {args.out / 'simple_spread.png'} in {summary['total_wall_s']:.0f} s")
+    print(f"wrote {args.out / 'simple_spread.json'} and {args.out / 'simple_spread.png'} "
+          f"in {summary['total_wall_s']:.0f} s")
     return summary
 
 

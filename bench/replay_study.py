@@ -1,7 +1,8 @@
 """What REINFORCE's experience replay buys in sample efficiency on the built-in task.
 
     python bench/replay_study.py                                    # off vs on, seeds 0 1 2, examples/reinforce.yaml
-    python bench/replay_study.py --variants off c4r32 c8r64 --seeds 0 1 2 --eval-every 50 --out bench/results/replay_study.json
+    python bench/replay_study.py --variants off c4r32 c8r64 --seeds 0 1 2 --eval-every 50 \\
+        --out bench/results/replay_study.json
 
 Each variant is a set of overrides on ``examples/reinforce.yaml`` (the replay options of ``reinforce``:
 ``replay_capacity`` batches kept, ``replay_rows`` of their rows added to every update, importance weights
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from robustness import run_one  # noqa: E402
+from robustness import run_one
 
 VARIANTS: dict[str, list[str]] = {
     "off": ["optimizer.options.replay_capacity=0", "optimizer.options.replay_rows=0"],

@@ -14,6 +14,7 @@ first optimiser step (warm kernel cache).
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import statistics
@@ -73,7 +74,7 @@ def light(args: list[str], runs: int) -> tuple[float, float, list[str]]:
                          capture_output=True, text=True, check=True)
     self_us = sum(int(m.group(1)) for m in re.finditer(r"import time:\s+(\d+) \|", out.stderr))
     heavy = re.search(r"HEAVY (\[.*\])", out.stderr)
-    return statistics.median(walls), self_us / 1e6, eval(heavy.group(1)) if heavy else ["?"]  # noqa: S307
+    return statistics.median(walls), self_us / 1e6, ast.literal_eval(heavy.group(1)) if heavy else ["?"]
 
 
 def first_step(runs: int) -> list[list[tuple[float, str]]]:
@@ -98,11 +99,13 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for args in (["plugins", "--all"], ["config", "show"]):
         wall, imports, heavy = light(args, runs)
-        print(f"palestra {' '.join(args):14s} wall {wall:.3f} s (median of {runs}); imports {imports:.3f} s; heavy modules imported: {heavy or 'none'}")
+        print(f"palestra {' '.join(args):14s} wall {wall:.3f} s (median of {runs}); imports {imports:.3f} s; "
+              f"heavy modules imported: {heavy or 'none'}")
     results = first_step(runs)
     for i, name in enumerate(m[1] for m in results[0]):
         values = [r[i][0] for r in results]
-        print(f"palestra train: {name:42s} {statistics.median(values):.2f} s (median of {runs}; {min(values):.2f}-{max(values):.2f})")
+        print(f"palestra train: {name:42s} {statistics.median(values):.2f} s "
+              f"(median of {runs}; {min(values):.2f}-{max(values):.2f})")
     return 0
 
 

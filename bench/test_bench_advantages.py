@@ -129,7 +129,7 @@ def test_every_row_of_ours_runs_the_back_end_it_names():
         saved = dict(op.impls)
         try:
             for backend, fn in saved.items():
-                op.impls[backend] = lambda *a, _b=backend, _f=fn, **k: (ran.append(_b), _f(*a, **k))[1]
+                op.impls[backend] = lambda *a, _b=backend, _f=fn, _ran=ran, **k: (_ran.append(_b), _f(*a, **k))[1]
             case["fn"]()
         finally:
             op.impls.update(saved)

@@ -23,8 +23,6 @@ from timing import sync as _sync
 from timing import timed as _timed
 
 
-
-
 def interleaved(ours, baseline, min_time: float = 1.0, max_rounds: int = 60) -> tuple[list[float], list[float]]:
     """Times of ``ours`` and ``baseline`` called alternately (after a warm-up call of each)."""
     ours()

@@ -123,7 +123,8 @@ def report(result: dict[str, Any]) -> str:
     opp = ", ".join(f"player {p}: {k}" for p, k in result["opponents"].items()) or "none (self-play)"
     lines = [
         f"{result['game']}, opponents {opp}; {result['games']} games, {result['decoding']}, "
-        f"{result['checkpoint'] or 'initial policy'} ({result['seconds']} s, {result['turns_per_game']:.1f} agent turns a game)",
+        f"{result['checkpoint'] or 'initial policy'} "
+        f"({result['seconds']} s, {result['turns_per_game']:.1f} agent turns a game)",
         f"{'agent':<12}{'win':>8}{'draw':>8}{'loss':>8}{'invalid':>9}{'unfinished':>12}{'reward':>9}",
     ]
     for agent, r in result["agents"].items():

@@ -18,11 +18,11 @@ if __name__ != "palestra.kernels":
         "`palestra` directly, use `python -P`, or run from another folder"
     )
 
-from .dispatch import BACKENDS, forced_backend, set_backend
-from .build import KernelBuildError
-from .logprob_entropy import logprob_entropy
-from .linear_logprob_entropy import linear_logprob_entropy
 from .advantages import discounted_returns, gae, group_advantages, rloo_advantages
+from .build import KernelBuildError
+from .dispatch import BACKENDS, forced_backend, set_backend
+from .linear_logprob_entropy import linear_logprob_entropy
+from .logprob_entropy import logprob_entropy
 from .reward_norm import RunningMoments, normalize_rewards
 
 __all__ = [
@@ -32,8 +32,8 @@ __all__ = [
     "discounted_returns",
     "forced_backend",
     "gae",
-    "linear_logprob_entropy",
     "group_advantages",
+    "linear_logprob_entropy",
     "logprob_entropy",
     "normalize_rewards",
     "rloo_advantages",

@@ -25,19 +25,19 @@ import torch
 
 from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
-from .utils import check, check_tensor, shape_str, dtype_name
+from .utils import check, check_tensor, dtype_name, shape_str
 
 __all__ = [
-    "gae",
-    "discounted_returns",
-    "group_advantages",
-    "rloo_advantages",
-    "gae_reference",
-    "discounted_returns_reference",
-    "group_advantages_reference",
-    "rloo_advantages_reference",
-    "masked_whiten",
     "SCALES",
+    "discounted_returns",
+    "discounted_returns_reference",
+    "gae",
+    "gae_reference",
+    "group_advantages",
+    "group_advantages_reference",
+    "masked_whiten",
+    "rloo_advantages",
+    "rloo_advantages_reference",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -400,7 +400,7 @@ def _check_groups(op: str, rewards, group_size, min_size: int) -> None:
     check_tensor(op, "rewards", rewards, dtypes=FLOAT_DTYPES, ndim=1)
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise TypeError(f"{op}: group_size must be an int, got {type(group_size).__name__}")
-    check(group_size >= min_size, op, f"group_size must be >= {min_size}, got {group_size}")
+    check(int(group_size) >= min_size, op, f"group_size must be >= {min_size}, got {group_size}")
     B = rewards.shape[0]
     check(
         B % group_size == 0,
@@ -438,8 +438,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         f"eps must be > 0 with scale={scale!r} (a group of equal rewards has std 0), got {eps}",
     )
     r = _as_float32(rewards)
-    op = _group_none if scale == "none" else _group
-    return op(r.device)(r, int(group_size), SCALES[scale], float(eps))
+    kernel = _group_none if scale == "none" else _group
+    return kernel(r.device)(r, int(group_size), SCALES[scale], float(eps))
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

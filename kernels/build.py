@@ -21,8 +21,15 @@ from importlib import resources
 from pathlib import Path
 
 __all__ = [
-    "KernelBuildError", "KernelCacheError", "NativeLibrary", "CPU_LIBRARY", "CUDA_LIBRARY", "csrc_dir", "cache_root",
-    "cache_dir_problem", "cpu_simd_level",
+    "CPU_LIBRARY",
+    "CUDA_LIBRARY",
+    "KernelBuildError",
+    "KernelCacheError",
+    "NativeLibrary",
+    "cache_dir_problem",
+    "cache_root",
+    "cpu_simd_level",
+    "csrc_dir",
 ]
 
 

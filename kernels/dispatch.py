@@ -29,13 +29,13 @@ from .build import KernelBuildError, KernelCacheError, NativeLibrary
 __all__ = [
     "AUTO_BACKENDS",
     "BACKENDS",
-    "KernelOp",
-    "set_backend",
-    "forced_backend",
-    "auto_order",
-    "check_backend",
     "BackendUnavailable",
     "KernelFallbackWarning",
+    "KernelOp",
+    "auto_order",
+    "check_backend",
+    "forced_backend",
+    "set_backend",
     "triton_available",
     "warn_fallback",
 ]
@@ -87,7 +87,7 @@ AUTO_BACKENDS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 _forced: str | None = None
-_OPS: dict[str, "KernelOp"] = {}  # every KernelOp by name, for the compile-time constant lookup below
+_OPS: dict[str, KernelOp] = {}  # every KernelOp by name, for the compile-time constant lookup below
 
 
 class BackendUnavailable(KernelBuildError):

@@ -48,7 +48,7 @@ from .build import CPU_LIBRARY, CUDA_LIBRARY, NativeLibrary
 from .dispatch import KernelOp
 from .utils import check, check_tensor, shape_str
 
-__all__ = ["linear_logprob_entropy", "DEFAULT_CHUNK_BYTES", "chunk_rows_for"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_rows_for", "linear_logprob_entropy"]
 
 OP = "linear_logprob_entropy"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -207,7 +207,7 @@ def _backward_op(
     _, backward = _chunk_kernels(backend)
     n_rows = hidden.shape[0]
     dtype = _compute_dtype(hidden, weight)
-    weight32, bias32 = _cast(weight, dtype), _cast(bias, dtype)
+    weight32, bias32 = weight.to(dtype), _cast(bias, dtype)
     grad_logp = grad_logp.to(dtype).contiguous()
     grad_entropy = grad_entropy.to(dtype).contiguous()
     d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,))
@@ -240,7 +240,7 @@ def _backward_op(
             if t is not None:
                 t.zero_()
     d_weight = weight.new_empty((0,)) if d_weight32 is None else d_weight32.to(weight.dtype)
-    d_bias = weight.new_empty((0,)) if d_bias32 is None else d_bias32.to(bias.dtype)
+    d_bias = weight.new_empty((0,)) if d_bias32 is None or bias is None else d_bias32.to(bias.dtype)
     return d_hidden, d_weight, d_bias
 
 

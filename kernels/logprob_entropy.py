@@ -41,7 +41,7 @@ from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
 from .utils import check, check_tensor, shape_str
 
-__all__ = ["logprob_entropy", "logprob_entropy_reference", "LOGITS_DTYPES"]
+__all__ = ["LOGITS_DTYPES", "logprob_entropy", "logprob_entropy_reference"]
 
 OP = "logprob_entropy"
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -36,9 +36,9 @@ import torch
 
 from .build import CPU_LIBRARY, CUDA_LIBRARY
 from .dispatch import KernelOp
-from .utils import check_tensor, shape_str, dtype_name
+from .utils import check_tensor, dtype_name, shape_str
 
-__all__ = ["RunningMoments", "normalize_rewards", "REWARD_DTYPES"]
+__all__ = ["REWARD_DTYPES", "RunningMoments", "normalize_rewards"]
 
 OP = "normalize_rewards"
 REWARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

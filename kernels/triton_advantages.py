@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .utils import next_power_of_2
 
-__all__ = ["gae", "discounted_returns", "group_advantages", "rloo_advantages"]
+__all__ = ["discounted_returns", "gae", "group_advantages", "rloo_advantages"]
 
 # log2(0) = -inf would make exp2(0 * log2c) NaN for n = 0; any value this negative already sends
 # c**n (n >= 1) to exactly 0 in fp32, which is what c = 0 means.

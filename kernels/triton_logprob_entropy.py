@@ -25,7 +25,7 @@ import triton.language as tl
 from .logprob_entropy import fake_backward, fake_forward, make_backward, setup_context
 from .utils import triton_launch_settings
 
-__all__ = ["logprob_entropy_triton", "logprob_entropy_backward_triton"]
+__all__ = ["logprob_entropy_backward_triton", "logprob_entropy_triton"]
 
 
 @triton.jit

@@ -60,7 +60,7 @@ def _partials_kernel(
     nf_first = n + tl.zeros((), dtype=tl.int64)
     bad_first = n + tl.zeros((), dtype=tl.int64)
     bad_value = tl.zeros((), dtype=tl.int64)
-    for it in range(0, ITERS):
+    for it in range(ITERS):
         offs = start + it * SUB + lanes
         inb = offs < n
         x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float64)
@@ -82,12 +82,12 @@ def _partials_kernel(
     if UPDATE:
         plane = num_chunks * S  # partials are [3, num_chunks, S]
         if HAS_SEG:
-            for t in range(0, tl.cdiv(S, SEG_TILE)):
+            for t in range(tl.cdiv(S, SEG_TILE)):
                 sids = t * SEG_TILE + tl.arange(0, SEG_TILE).to(tl.int64)
                 c_n = tl.zeros((SEG_TILE,), dtype=tl.float64)
                 c_mean = tl.zeros((SEG_TILE,), dtype=tl.float64)
                 c_m2 = tl.zeros((SEG_TILE,), dtype=tl.float64)
-                for it in range(0, ITERS):
+                for it in range(ITERS):
                     offs = start + it * SUB + lanes
                     inb = offs < n
                     x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float64)
@@ -107,7 +107,7 @@ def _partials_kernel(
             c_n = tl.zeros((), dtype=tl.float64)
             c_mean = tl.zeros((), dtype=tl.float64)
             c_m2 = tl.zeros((), dtype=tl.float64)
-            for it in range(0, ITERS):
+            for it in range(ITERS):
                 offs = start + it * SUB + lanes
                 inb = offs < n
                 x = tl.load(x_ptr + offs, mask=inb, other=0.0).to(tl.float64)

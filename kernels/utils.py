@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check", "check_tensor", "dtype_name", "shape_str", "triton_launch_settings", "next_power_of_2"]
+__all__ = ["check", "check_tensor", "dtype_name", "next_power_of_2", "shape_str", "triton_launch_settings"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

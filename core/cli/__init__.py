@@ -33,7 +33,9 @@ class UsageError(Exception):
 _default_formatwarning = warnings.formatwarning
 
 
-def _format_warning(message, category, filename, lineno, line=None) -> str:  # type: ignore[no-untyped-def]
+def _format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
     """Palestra's own warnings (a disabled plugin) read as one line on the command line, without a source excerpt."""
     if category.__module__.startswith("palestra."):
         return f"palestra: warning: {message}\n"

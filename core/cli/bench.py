@@ -59,6 +59,8 @@ def load_cases(bench_dir: Path, device: str, quick: bool, ops: set[str]) -> list
     cases: list[dict] = []
     for path in sorted(bench_dir.glob("cases_*.py")):
         spec = importlib.util.spec_from_file_location(f"palestra_bench_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"--bench-dir: {path} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
@@ -130,7 +132,7 @@ def run_cases(cases: list[dict], device: str, min_time: float, echo: Callable[[s
             seconds = time_call(case["fn"], device, min_time)
             peak = peak_memory(case["fn"], device)
             error = None
-        except Exception as e:  # a missing optional baseline (e.g. trl not installed) must not stop the run
+        except Exception as e:  # noqa: BLE001 - a missing optional baseline (e.g. trl not installed) must not stop the run
             seconds, peak, error = math.nan, None, f"{type(e).__name__}: {e}".splitlines()[0]
         rows.append(
             {

@@ -1,4 +1,4 @@
-"""Show the resolved configuration: the file (or the built-in default) with overrides applied and every default filled in."""
+"""Show the resolved configuration: the file (or the built-in default), overrides applied, every default filled in."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ PROVENANCE = "palestra_export.json"  # what the folder was exported from (read b
 
 
 class ExportError(ValueError):
-    """An export that cannot be made as asked (no checkpoint, an occupied --out, a policy with no export form). One line."""
+    """An export that cannot be made as asked (no checkpoint, an occupied --out, a policy with no export form).
+    One line."""
 
     palestra_user_error = True
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import importlib.util
+import json
 import keyword
 import re
 from dataclasses import dataclass

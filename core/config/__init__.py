@@ -26,7 +26,8 @@ imported by the commands that train, since it needs torch).
 
 from .building import build_component
 from .errors import ComponentBuildError, ConfigError, OptionError
-from .loading import _set_path, load_config, parse_override, read_config_file, validate_config
+from .loading import _set_path as _set_path  # re-exported: palestra.cli.train applies its overrides with it
+from .loading import load_config, parse_override, read_config_file, validate_config
 from .schema import (
     SPEC_TYPES,
     AgentsConfig,
@@ -66,8 +67,8 @@ __all__ = [
     "TrainConfig",
     "build_component",
     "check_options",
-    "format_fields",
     "default_registry",
+    "format_fields",
     "load_config",
     "option",
     "parse_override",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 # ---- errors ------------------------------------------------------------------------------------------
 class ConfigError(ValueError):
     """A configuration problem. The message is one line that starts with the dotted path of the culprit."""
@@ -15,7 +14,8 @@ class ConfigError(ValueError):
 
 
 class OptionError(ConfigError):
-    """Raised by an options dataclass's ``__post_init__``: ``key`` is relative to the dataclass (``"layers[0].weight"``)."""
+    """Raised by an options dataclass's ``__post_init__``: ``key`` is relative to the dataclass
+    (``"layers[0].weight"``)."""
 
     def __init__(self, key: str, message: str) -> None:
         self.key, self.message = key, " ".join(str(message).split())

@@ -1,19 +1,22 @@
-"""Reading a config: a YAML or TOML file over the built-in default, then dotted ``key=value`` overrides, then validation."""
+"""Reading a config: a YAML or TOML file over the built-in default, then dotted ``key=value`` overrides, then
+validation."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
 from palestra.registry import Registry
 
 from .errors import ConfigError
 from .schema import Config
-from .validation import _ACTIVE_REGISTRY, _Override, _convert, _join, _kind_of, default_registry, to_plain
+from .validation import _ACTIVE_REGISTRY, _convert, _join, _kind_of, _Override, default_registry, to_plain
 
 # ---- loading -----------------------------------------------------------------------------------------
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml")
@@ -70,11 +73,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             f"{p}:{line}: not UTF-8 text (byte 0x{data_bytes[e.start]:02x} at offset {e.start}); save the file as UTF-8"
         ) from None
     if suffix == ".toml":
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ModuleNotFoundError:  # Python 3.10
+        else:
             try:
-                import tomli as tomllib  # type: ignore[no-redef]
+                import tomli as tomllib
             except ModuleNotFoundError:
                 raise ConfigError(f"config file {str(p)!r}: reading TOML needs Python 3.11+ or the tomli package") from None
         try:
@@ -97,8 +100,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError(
-            f"{p}: the top level must be a mapping of sections ({', '.join(f.name for f in dataclasses.fields(Config))}), "
-            f"got {_kind_of(data)}"
+            f"{p}: the top level must be a mapping of sections "
+            f"({', '.join(f.name for f in dataclasses.fields(Config))}), got {_kind_of(data)}"
         )
     return dict(data)
 

@@ -68,8 +68,8 @@ def resolve_device(spec: str) -> torch.device:
             local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
             if local_rank >= count:
                 raise ConfigError(
-                    f"train.device: rank LOCAL_RANK={local_rank} needs cuda:{local_rank}, but this machine has {count} GPUs; "
-                    f"start at most {count} processes per node"
+                    f"train.device: rank LOCAL_RANK={local_rank} needs cuda:{local_rank}, "
+                    f"but this machine has {count} GPUs; start at most {count} processes per node"
                 )
             dev = torch.device("cuda", local_rank)
     if dev.type == "mps" and not torch.backends.mps.is_available():
@@ -152,8 +152,8 @@ def check_rollout_memory(train: TrainConfig, device: torch.device) -> None:
     share = f" per rank ({world} ranks)" if world > 1 else ""
     micro = "; train.auto_micro_batch splits the update, not the rollout" if train.auto_micro_batch else ""
     raise ConfigError(
-        f"train.batch_size: {train.batch_size} tasks x train.group_size {train.group_size} = {rows} rows{share} need at "
-        f"least {_size(need)} for the rollout's token tensors alone (1 prompt token + train.max_new_tokens "
+        f"train.batch_size: {train.batch_size} tasks x train.group_size {train.group_size} = {rows} rows{share} "
+        f"need at least {_size(need)} for the rollout's token tensors alone (1 prompt token + train.max_new_tokens "
         f"{train.max_new_tokens} per row), more than the {_size(free)} free on {device}; lower train.batch_size "
         f"or train.group_size{micro}"
     )

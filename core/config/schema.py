@@ -11,6 +11,7 @@ from palestra.registry import KINDS, Registry
 
 from .errors import OptionError
 
+
 # ---- declaring options -------------------------------------------------------------------------------
 def option(
     default: Any = MISSING,

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from dataclasses import dataclass
 import difflib
 import math
 import numbers
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING
+from dataclasses import MISSING, dataclass
 from typing import Any, Literal, Union
 
 from palestra.registry import Registration, Registry, RegistryError
@@ -137,9 +136,8 @@ def _number(value: Any) -> int | float | None:
 
 def _convert_union(value: Any, tp: Any, path: str) -> Any:
     args = typing.get_args(tp)
-    if value is None or (isinstance(value, str) and value in ("null", "~", "None") and type(None) in args):
-        if type(None) in args:
-            return None
+    if (value is None or (isinstance(value, str) and value in ("null", "~", "None"))) and type(None) in args:
+        return None
     members = [a for a in args if a is not type(None)]
     if len(members) == 1:
         return _convert(value, members[0], path)

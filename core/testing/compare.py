@@ -51,7 +51,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
         return None
     try:
         same = bool(a == b)
-    except Exception:  # an object whose == is ambiguous or raises: its text is the best we have
+    except Exception:  # noqa: BLE001 - an object whose == is ambiguous or raises: its text is the best we have
         same = repr(a) == repr(b)
     return None if same else f"{here}: {_short(a)} != {_short(b)}"
 

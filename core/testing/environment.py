@@ -29,7 +29,10 @@ RULES: dict[str, str] = {
     "max turns": "max_turns is a positive int",
     "reset runs": "reset(batch_size, seed=..., group_size=...) returns without raising",
     "one observation per row": "reset returns a list of batch_size * group_size observations",
-    "observations": "each is a palestra.Observation: str prompt, dict metadata, an agent_id from agent_ids, valid stop/token_ids/max_new_tokens",
+    "observations": (
+        "each is a palestra.Observation: str prompt, dict metadata, an agent_id from agent_ids, "
+        "valid stop/token_ids/max_new_tokens"
+    ),
     "groups share a task": "rows [g * G, (g + 1) * G) have the same prompt and metadata",
     "first turn is 0": "reset's observations have turn 0",
     "same seed, same tasks": "reset with one seed gives equal observations, on the same instance and on a fresh one",
@@ -43,7 +46,10 @@ RULES: dict[str, str] = {
     "metadata reaches the reward": "the reward given to the check scores the episodes' reward rows",
     "one-row batch": "after a bigger batch, reset(1) starts a new batch of one row that steps with one action",
     "empty batch": "reset(0) returns [] or raises ValueError",
-    "state round-trip": "state_dict and load_state_dict come together; the state deep-copies, loads into a fresh instance and gives the same seeded resets",
+    "state round-trip": (
+        "state_dict and load_state_dict come together; the state deep-copies, loads into a fresh instance and gives "
+        "the same seeded resets"
+    ),
 }
 
 

@@ -25,7 +25,9 @@ RULES: dict[str, str] = {
     "non-finite values": "log accepts NaN and infinite values",
     "empty metrics": "log accepts an empty metrics dict",
     "close is idempotent": "a second close() does nothing (the trainer closes after a failure too)",
-    "writes under the run directory": "nothing appears in the working directory; a file logger's path lies inside the run directory",
+    "writes under the run directory": (
+        "nothing appears in the working directory; a file logger's path lies inside the run directory"
+    ),
 }
 
 CONFIG: dict[str, Any] = {"run": {"name": "contract", "seed": 0}, "train": {"steps": 3, "log_every": 1}}

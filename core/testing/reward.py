@@ -29,8 +29,13 @@ Rows = tuple[list[str], list[str], list[dict[str, Any]]]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the reward from the options given",
-    "call runs": "reward(prompts, completions, metadata) returns without raising on plausible completions, the empty one included",
-    "scores are a float tensor": "it returns a floating-point torch.Tensor, or a RewardOutput whose scores is one (not a list, not ints)",
+    "call runs": (
+        "reward(prompts, completions, metadata) returns without raising on plausible completions, "
+        "the empty one included"
+    ),
+    "scores are a float tensor": (
+        "it returns a floating-point torch.Tensor, or a RewardOutput whose scores is one (not a list, not ints)"
+    ),
     "one score per row": "scores has shape [B]",
     "scores are finite": "no score is NaN or infinite",
     "components are [B] float tensors": "each RewardOutput component is a floating-point tensor of shape [B]",
@@ -42,7 +47,10 @@ RULES: dict[str, str] = {
     "empty batch": "no rows get scores of shape [0]",
     "can be copied": "copy.deepcopy works (held-out scoring runs on a copy)",
     "evaluate leaves state alone": "evaluate(...) returns a RewardOutput and leaves state_dict() unchanged",
-    "state round-trip": "state_dict and load_state_dict come together; the state saves with torch.save, and a fresh instance loaded from it continues identically",
+    "state round-trip": (
+        "state_dict and load_state_dict come together; the state saves with torch.save, and a fresh instance loaded "
+        "from it continues identically"
+    ),
 }
 
 
@@ -115,9 +123,9 @@ def _score(reward: Any, c: Contract, prompts: list[str], completions: list[str],
     for key, value in output.components.items():
         c.require(_is_float_tensor(value) and tuple(value.shape) == (b,), method, "components are [B] float tensors",
                   f"component {key!r} is {_describe(value)}; expected a float tensor of shape [{b}]")
-    for key, value in output.metrics.items():
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        c.require(ok, method, "metrics are finite numbers", f"metric {key!r} is {_describe(value)}")
+    for key, metric in output.metrics.items():
+        ok = isinstance(metric, numbers.Real) and not isinstance(metric, bool) and math.isfinite(metric)
+        c.require(ok, method, "metrics are finite numbers", f"metric {key!r} is {_describe(metric)}")
     return output
 
 
@@ -125,7 +133,8 @@ def _check_scores(c: Contract, method: str, scores: Any, b: int, what: str, rule
     import torch
 
     c.require(_is_float_tensor(scores), method, "scores are a float tensor",
-              f"returned {_describe(scores)}; expected a float tensor of shape [{b}] (e.g. torch.tensor(values, dtype=torch.float32))")
+              f"returned {_describe(scores)}; expected a float tensor of shape [{b}] "
+              "(e.g. torch.tensor(values, dtype=torch.float32))")
     c.require(tuple(scores.shape) == (b,), method, rule_for_size, f"{what} has shape {list(scores.shape)} for {b} rows; expected [{b}]")
     bad = (~torch.isfinite(scores.detach())).nonzero()
     if bad.numel():

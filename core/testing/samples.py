@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPLETIONS",
     "SEED",
-    "completions",
     "TINY_POLICY",
+    "completions",
     "cycle_completions",
     "experience",
     "observations",

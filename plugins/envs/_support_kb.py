@@ -119,7 +119,8 @@ class Entry:
 
 
 def _value_phrase(fact_template: str, value: str) -> str:
-    """The slot value as a checkable phrase: a number with its unit (``"5 days"``, ``"version 4"``), or the word (``"paypal"``)."""
+    """The slot value as a checkable phrase: a number with its unit (``"5 days"``, ``"version 4"``), or the word
+    (``"paypal"``)."""
     before, after = (part.split() for part in fact_template.split("{v}", 1))
     if not value.isdigit():
         return value
@@ -127,7 +128,8 @@ def _value_phrase(fact_template: str, value: str) -> str:
 
 
 def build_kb(intents: int = 5, topics_per_intent: int = 4, kb_seed: int = 0) -> tuple[Entry, ...]:
-    """The entries of the first ``intents`` intents, ``topics_per_intent`` topics each; ids and values from ``kb_seed``."""
+    """The entries of the first ``intents`` intents, ``topics_per_intent`` topics each; ids and values from
+    ``kb_seed``."""
     if not 1 <= intents <= len(INTENTS):
         raise ValueError(f"intents must be in 1..{len(INTENTS)}, got {intents}")
     if not 1 <= topics_per_intent <= 4:

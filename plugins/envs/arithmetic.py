@@ -14,9 +14,8 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
-from palestra.types import Message, Observation, StepResult
-
 from palestra.plugins.envs._episodes import draw_tasks, single_turn_step
+from palestra.types import Message, Observation, StepResult
 
 Operation = Literal["+", "-", "*"]
 

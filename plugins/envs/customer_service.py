@@ -44,10 +44,9 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
-from palestra.types import Message, Observation, StepResult
-
 from palestra.plugins.envs._episodes import draw_tasks, step_turns
 from palestra.plugins.envs._support_kb import INTENTS, ITEMS, Entry, build_kb, segment, vocabulary
+from palestra.types import Message, Observation, StepResult
 
 ROLES = ("intent", "retrieval", "response")
 STOP = "\n"
@@ -239,7 +238,10 @@ def register_environments(register: Any) -> None:
         "customer_service",
         CustomerServiceEnv,
         options=CustomerServiceOptions,
-        description="turn-based customer-support pipeline: intent -> retrieval -> response over a synthetic knowledge base",
+        description=(
+            "turn-based customer-support pipeline: intent -> retrieval -> response "
+            "over a synthetic knowledge base"
+        ),
     )
 
 

@@ -38,10 +38,9 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import ConfigError, OptionError, check_options, format_fields, option
+from palestra.plugins.envs._episodes import single_turn_step
 from palestra.registry import MissingDependency
 from palestra.types import Message, Observation, StepResult
-
-from palestra.plugins.envs._episodes import single_turn_step
 
 WHERE = "environment.options"  # where the options sit in a config; errors name keys below it
 INSTALL_HINT = 'pip install "palestra[datasets]"'
@@ -196,7 +195,7 @@ def _read_parquet(path: Path, shown: str, key: str, data_split: str) -> tuple[li
         raise MissingDependency(f"{WHERE}.{key}: reading Parquet", "pyarrow", INSTALL_HINT, cause=e) from None
     try:
         table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises its own error types for a damaged or foreign file
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types for a damaged or foreign file
         raise ConfigError(f"{WHERE}.{key}: {shown}: cannot read it as Parquet: {_first_line(e)}") from None
     return [RawRow(f"row {i + 1}", values) for i, values in enumerate(table.to_pylist())], list(table.column_names)
 
@@ -208,7 +207,7 @@ def _read_disk(path: Path, shown: str, key: str, data_split: str) -> tuple[list[
         raise MissingDependency(f"{WHERE}.{key}: reading a saved dataset folder", "datasets", INSTALL_HINT, cause=e) from None
     try:
         loaded = datasets.load_from_disk(str(path))
-    except Exception as e:  # datasets raises FileNotFoundError for a folder it did not write, and others
+    except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError for a folder it did not write, and others
         raise ConfigError(f"{WHERE}.{key}: {shown}: not a folder written by datasets' save_to_disk: {_first_line(e)}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if data_split not in loaded:
@@ -302,7 +301,7 @@ def held_out_rows(n: int, options: DatasetOptions) -> list[int]:
     o = options
     if o.eval_path is not None:
         return []
-    k = o.eval_size if o.eval_size is not None else int(round(n * o.eval_fraction))
+    k = o.eval_size if o.eval_size is not None else round(n * o.eval_fraction)
     if o.eval_size is None and o.eval_fraction > 0:
         k = max(k, 1)
     if k >= n:
@@ -382,5 +381,8 @@ def register_environments(register: Any) -> None:
         "dataset",
         DatasetEnv,
         options=DatasetOptions,
-        description="questions and answers from a local JSONL, CSV, Parquet file or datasets folder, with a held-out split",
+        description=(
+            "questions and answers from a local JSONL, CSV, Parquet file or "
+            "datasets folder, with a held-out split"
+        ),
     )

@@ -37,11 +37,10 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import ConfigError, OptionError, check_options, format_fields, option
-from palestra.registry import MissingDependency, Requires
-from palestra.types import Message, Observation, RewardOutput, StepResult
-
 from palestra.plugins.envs._episodes import single_turn_step
 from palestra.plugins.rewards.basic import extract_tag
+from palestra.registry import MissingDependency, Requires
+from palestra.types import Message, Observation, RewardOutput, StepResult
 
 MODULE = "reasoning_gym"
 INSTALL_HINT = 'pip install "palestra[reasoning-gym]"'
@@ -260,7 +259,7 @@ class ReasoningGymReward:
             score_answer = self.scorer(meta["task"], meta.get("task_options", {}))
             try:
                 value = float(score_answer(self.answer(completion), dict(meta["entry"])))
-            except Exception:  # the task's scorer failing on a malformed answer is a wrong answer, not a crashed run
+            except Exception:  # noqa: BLE001 - the task's scorer failing on a malformed answer is a wrong answer, not a crashed run
                 value, errors = 0.0, errors + 1
             value = min(1.0, max(0.0, value)) if math.isfinite(value) else 0.0
             values.append(value)

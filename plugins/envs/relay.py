@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
-from palestra.types import Message, Observation, StepResult
-
 from palestra.plugins.envs._episodes import draw_tasks, step_turns
+from palestra.types import Message, Observation, StepResult
 
 ROLES = ("planner", "retriever", "responder")
 
@@ -186,5 +185,8 @@ def register_environments(register: Any) -> None:
         "relay",
         RelayEnv,
         options=RelayOptions,
-        description="turn-based multi-agent lookup: planner -> retriever -> responder over a per-episode knowledge base",
+        description=(
+            "turn-based multi-agent lookup: planner -> retriever -> responder over "
+            "a per-episode knowledge base"
+        ),
     )

@@ -59,10 +59,9 @@ from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, format_fields, option
+from palestra.plugins.envs._episodes import draw_tasks, step_rows
 from palestra.registry import MissingDependency, Requires
 from palestra.types import Message, Observation, StepResult
-
-from palestra.plugins.envs._episodes import draw_tasks, step_rows
 
 INSTALL_HINT = 'pip install "palestra[textarena]"'
 OPPONENT_KINDS = ("random", "first", "fixed:<action>")
@@ -101,7 +100,8 @@ def agent_name(player: int) -> str:
 
 @dataclass
 class TextArenaOptions:
-    game: str = "TicTacToe-v0"  # a textarena game id; "-raw" ids skip the game's wrappers, "-train" ids use its training wrappers
+    # a textarena game id; "-raw" ids skip the game's wrappers, "-train" ids use its training wrappers
+    game: str = "TicTacToe-v0"
     num_players: int | None = option(None, ge=1)  # None: the first count the game accepts of 2, 1, 3, 4, ..., 8
     opponents: dict[str, str] = field(default_factory=dict)  # player id -> "random" | "first" | "fixed:<action>"
     game_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the game (e.g. num_rounds: 3)
@@ -141,11 +141,18 @@ class _Row:
     latest: list[tuple[int, str, Any]] = field(default_factory=list)  # the acting player's new messages
     text: str = ""  # the acting player's rendered observation
     rejected: list[str] = field(default_factory=list)  # reasons of the invalid moves, in order
-    observation: Observation | None = None
+    observation: Observation | None = None  # None once the row is done
+
+
+def _live_observation(row: _Row) -> Observation:
+    """The observation a live row's last turn made (every row that is not done has one)."""
+    assert row.observation is not None, "a live textarena row has its observation"
+    return row.observation
 
 
 class TextArenaEnv:
-    """textarena games as batched, turn-based episodes. See the module docstring and :class:`palestra.types.Environment`."""
+    """textarena games as batched, turn-based episodes. See the module docstring and
+    :class:`palestra.types.Environment`."""
 
     def __init__(self, **options: Any) -> None:
         self.options: TextArenaOptions = check_options(TextArenaOptions, options, where="textarena")
@@ -188,7 +195,7 @@ class TextArenaEnv:
         with _saved_random():
             try:
                 self._make().reset(num_players=players, seed=0)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - sorted below: a wrong player count, or a game that cannot start
                 if isinstance(e, TypeError) and self.options.game_options:  # most likely a keyword the game does not take
                     raise GameSetupError("game_options", f"{self.options.game} could not start: {_one_line(e)}") from None
                 if not isinstance(e, (AssertionError, ValueError)):
@@ -212,11 +219,11 @@ class TextArenaEnv:
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:
         seeds = draw_tasks(lambda rng: rng.getrandbits(31), self._rng, batch_size, seed, group_size, "textarena")
         self._rows = [self._start(s) for s in seeds]
-        return [r.observation for r in self._rows]  # type: ignore[misc]
+        return [_live_observation(r) for r in self._rows]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
         # The game decides when a row ends; its next observation is made when its turn is played (_act).
-        return step_rows("textarena", self._rows, actions, self._act, lambda row: row.observation, lambda row: row.done)
+        return step_rows("textarena", self._rows, actions, self._act, _live_observation, lambda row: row.done)
 
     # ---- scripted play and the legal-move helper -----------------------------------------------------------
     def legal_moves(self, observation: Observation) -> list[str]:
@@ -339,7 +346,8 @@ class TextArenaEnv:
         return valid
 
     def _accepts(self, row: _Row, action: str) -> bool:
-        """Whether the game accepts ``action`` now: tried on a copy, leaving the game and its random state as they were."""
+        """Whether the game accepts ``action`` now: tried on a copy, leaving the game and its random state as they
+        were."""
         saved = random.getstate()
         try:
             trial = copy.deepcopy(row.game)
@@ -347,7 +355,7 @@ class TextArenaEnv:
             self._record_invalid_moves(trial.state, rejected)
             trial.step(action=action)
             return not rejected
-        except Exception:
+        except Exception:  # noqa: BLE001 - a move the game cannot take, however it says so, is not accepted
             return False
         finally:
             random.setstate(saved)
@@ -561,7 +569,10 @@ def register_environments(register: Any) -> None:
         "textarena",
         Requires(TextArenaEnv, module="textarena", install=INSTALL_HINT),
         options=TextArenaOptions,
-        description=f"textarena's text games (TicTacToe-v0, IteratedRockPaperScissors-v0, ...), one agent per player ({INSTALL_HINT})",
+        description=(
+            f"textarena's text games (TicTacToe-v0, IteratedRockPaperScissors-v0, ...), one agent per player "
+            f"({INSTALL_HINT})"
+        ),
     )
 
 

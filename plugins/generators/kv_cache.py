@@ -2,7 +2,8 @@
 
 It works with every :class:`palestra.models.policy.CausalLMPolicy` (the tiny transformer, HuggingFace models):
 temperature, top-p, EOS and stop tokens, stop strings (the sampling parameters' and each observation's),
-``max_new_tokens`` (the sampling parameters', capped per row by each observation's). Other back ends (vLLM, ...) plug in as generators of their own.
+``max_new_tokens`` (the sampling parameters', capped per row by each observation's). Other back ends (vLLM, ...)
+plug in as generators of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from palestra import hookimpl
 
 if TYPE_CHECKING:
     import torch
+
     from palestra.types import Generation, Observation, Policy, SamplingParams
 
 
@@ -38,7 +40,10 @@ def register_generators(register: Any) -> None:
     register(
         "kv_cache",
         KVCacheGenerator,
-        description="batched sampling with the policy's KV cache: temperature, top-p, EOS, stop tokens and strings, per-turn caps",
+        description=(
+            "batched sampling with the policy's KV cache: temperature, top-p, EOS, "
+            "stop tokens and strings, per-turn caps"
+        ),
     )
 
 

@@ -103,8 +103,8 @@ _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, nested braces and all; None when there is none
-    or its braces do not close."""
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, nested braces and all; None when
+    there is none or its braces do not close."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None

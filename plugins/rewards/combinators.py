@@ -44,8 +44,8 @@ def _scores_of(out: RewardOutput, label: str, components: dict[str, torch.Tensor
     components[label] = out.scores
     for key, value in out.components.items():
         components[f"{label}/{key}"] = value
-    for key, value in out.metrics.items():
-        metrics[f"{label}/{key}"] = value
+    for key, metric in out.metrics.items():
+        metrics[f"{label}/{key}"] = metric
 
 
 # ---- weighted sum ------------------------------------------------------------------------------------
@@ -111,9 +111,10 @@ class WeightedSum:
     def max_score(self) -> float | None:
         """Each positive term at its best and each penalty at zero (None if a term does not declare its maximum)."""
         best = [max_score(t) for t in self.terms]
-        if any(b is None for b in best):
+        bounds = [b for b in best if b is not None]
+        if len(bounds) < len(best):
             return None
-        return sum(max(0.0, w * b) for w, b in zip(self.weights, best))  # type: ignore[operator]
+        return sum(max(0.0, w * b) for w, b in zip(self.weights, bounds))
 
     def state_dict(self) -> dict[str, Any]:
         return {"terms": {label: term.state_dict() for label, term in zip(self.labels, self.terms)}}
@@ -238,9 +239,10 @@ class Layered:
     @property
     def max_score(self) -> float | None:
         best = [max_score(r) for r in self.rewards]
-        if any(b is None for b in best):
+        bounds = [b for b in best if b is not None]
+        if len(bounds) < len(best):
             return None
-        return sum(max(0.0, layer.weight * b) for layer, b in zip(self.options.layers, best))  # type: ignore[operator]
+        return sum(max(0.0, layer.weight * b) for layer, b in zip(self.options.layers, bounds))
 
     @property
     def active(self) -> list[str]:

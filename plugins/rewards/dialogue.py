@@ -131,7 +131,8 @@ def reply_factual(reply: str, meta: Mapping[str, Any]) -> float:
 
 
 def reply_politeness(reply: str) -> float:
-    """Response role: 0.6 for a polite marker, 1.0 for markers of two kinds (greeting, thanks, apology, offer); 0 if rude."""
+    """Response role: 0.6 for a polite marker, 1.0 for markers of two kinds (greeting, thanks, apology, offer);
+    0 if rude."""
     ws = segment(reply)
     if any(_has_phrase(ws, r) for r in RUDE):
         return 0.0

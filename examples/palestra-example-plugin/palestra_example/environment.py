@@ -28,7 +28,8 @@ class WordUsageOptions:
             raise ValueError(f"word_usage: num_words must be at least 1, got {self.num_words}")
         if len(set(self.vocabulary)) < self.num_words:
             raise ValueError(
-                f"word_usage: vocabulary has {len(set(self.vocabulary))} distinct words, fewer than num_words={self.num_words}"
+                f"word_usage: vocabulary has {len(set(self.vocabulary))} distinct words, "
+                f"fewer than num_words={self.num_words}"
             )
 
 
