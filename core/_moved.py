@@ -42,7 +42,6 @@ SPLIT = {
         ),
     },
     "palestra.rollout": {
-        "palestra.multiagent.credit": ("credit_rewards",),
         "palestra.multiagent.generation": ("generate_by_agent", "merge_generations"),
     },
     "palestra.marl": {"palestra.rl": ("masked_mean",)},  # ppo_actor_loss / clipped_value_loss: palestra.rl's losses

@@ -396,8 +396,16 @@ class Policy(Protocol):
         temperature: float = 1.0,
         entropy: bool = True,
         values: bool = False,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> Any:
-        """A :class:`palestra.models.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked)."""
+        """A :class:`palestra.models.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked).
+
+        ``agent_ids`` (one per row, or None) says which agent acted in each row: a multi-agent policy scores each
+        row with that agent's parameters; a single-agent policy accepts it and ignores it."""
+        ...
+
+    def for_agent(self, agent_id: AgentId) -> Policy:
+        """The policy that plays ``agent_id`` (the rollout samples its rows with it): itself for a single-agent policy."""
         ...
 
     def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]: ...

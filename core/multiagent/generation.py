@@ -1,4 +1,4 @@
-"""Generation for several agents at once: each agent's rows sampled by its own view of the policy, merged back."""
+"""Generation for several agents at once: each agent's rows sampled by the policy that plays it, merged back."""
 
 from __future__ import annotations
 
@@ -46,13 +46,20 @@ def merge_generations(parts: Sequence[Generation], rows: Sequence[Sequence[int]]
 def generate_by_agent(
     backend: Generator, policy: Any, observations: Sequence[Observation], params: SamplingParams, *, rng: torch.Generator | None = None
 ) -> Generation:
-    """Sample each agent's rows with ``policy.for_agent(agent_id)``, in order of first appearance; one Generation back."""
-    order = list(dict.fromkeys(o.agent_id for o in observations))
-    rows = [[i for i, o in enumerate(observations) if o.agent_id == a] for a in order]
-    if len(order) == 1:
-        return backend.generate(policy.for_agent(order[0]), observations, params, generator=rng)
+    """Sample each row with the policy that plays its agent (``policy.for_agent(agent_id)``); one Generation back.
+
+    Rows played by the same policy are sampled together, in one backend call, in order of first appearance: a
+    single-agent policy plays every agent itself, so its rows are one call (one batch, one draw per step), while a
+    :class:`~palestra.multiagent.sharing.MultiAgentPolicy` samples each agent's rows with that agent's view.
+    """
+    players: dict[int, tuple[Any, list[int]]] = {}  # id(player) -> (player, its rows)
+    for i, o in enumerate(observations):
+        player = policy.for_agent(o.agent_id)
+        players.setdefault(id(player), (player, []))[1].append(i)
+    if len(players) == 1:
+        return backend.generate(next(iter(players.values()))[0], observations, params, generator=rng)
     parts = [
-        backend.generate(policy.for_agent(a), [observations[i] for i in idx], params, generator=rng)
-        for a, idx in zip(order, rows)
+        backend.generate(player, [observations[i] for i in idx], params, generator=rng)
+        for player, idx in players.values()
     ]
-    return merge_generations(parts, rows, policy.tokenizer.pad_token_id)
+    return merge_generations(parts, [idx for _, idx in players.values()], policy.tokenizer.pad_token_id)

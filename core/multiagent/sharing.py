@@ -93,8 +93,6 @@ class MultiAgentPolicy(torch.nn.Module):
     ``parameters()`` list every tensor once; :meth:`shared_parameters` and :meth:`agent_parameters` split them.
     """
 
-    routes_agents = True  # score() wants agent_ids (one per row)
-
     def __init__(self, base: Any, agents: AgentsConfig, agent_ids: Sequence[AgentId], *, path: str = _KEY_PATH) -> None:
         super().__init__()
         ids = list(dict.fromkeys(agent_ids))
