@@ -405,10 +405,22 @@ class Policy(Protocol):
         ...
 
     def for_agent(self, agent_id: AgentId) -> Policy:
-        """The policy that plays ``agent_id`` (the rollout samples its rows with it): itself for a single-agent policy."""
+        """The policy that plays ``agent_id``: itself for a single-agent policy, an agent's own view for a multi-agent
+        one. The rollout samples rows played by the same policy in one batch (through this policy, with agent ids)."""
         ...
 
-    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]: ...
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        agent_ids: Sequence[AgentId] | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """Logits for the next token and the extended KV cache; ``agent_ids`` as in :meth:`score` (a multi-agent
+        policy decodes one agent's rows per call)."""
+        ...
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 

@@ -146,7 +146,7 @@ class CausalLMPolicy(torch.nn.Module):
 
     def for_agent(self, agent_id: AgentId) -> CausalLMPolicy:
         """The policy that plays ``agent_id``: this one, for every agent (one set of weights; a multi-agent policy
-        answers with that agent's view). The rollout samples each agent's rows with it."""
+        answers with that agent's view). The rollout samples rows played by the same policy in one batch."""
         del agent_id
         return self
 
@@ -297,9 +297,18 @@ class CausalLMPolicy(torch.nn.Module):
 
     @torch.no_grad()
     def decode_step(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Logits ``[B, V]`` (float32) for the token after ``input_ids [B, L]``, and the extended cache."""
+        """Logits ``[B, V]`` (float32) for the token after ``input_ids [B, L]``, and the extended cache.
+
+        ``agent_ids`` (one per row) is ignored, as in :meth:`score`: one set of weights plays every agent."""
+        del agent_ids
         hidden, cache = self.trunk(input_ids, attention_mask, position_ids, cache, use_cache=True)
         return self.logits(hidden[:, -1]).float(), cache
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from palestra.types import Generation, Observation, SamplingParams
+from palestra.types import AgentId, Generation, Observation, SamplingParams
 
 
 def check_params(params: SamplingParams) -> None:
@@ -228,6 +228,7 @@ class _Draws:
 def _decode_loop(
     policy: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, out: _Draws, *,
     end_ids: list[int], watch: _StopStrings, caps: list[int] | None, generator: torch.Generator | None,
+    agent_ids: Sequence[AgentId] | None,
 ) -> None:
     """Prefill the prompt, then draw one token per row per step into ``out`` until every row is done or full."""
     b, p = prompt_ids.shape
@@ -245,7 +246,7 @@ def _decode_loop(
     cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
     if cap_t is not None:
         done = cap_t == 0  # rows capped at 0 tokens sample nothing
-    logits, cache = policy.decode_step(prompt_ids, prompt_mask, positions, None)
+    logits, cache = policy.decode_step(prompt_ids, prompt_mask, positions, None, agent_ids=agent_ids)
     for t in range(n):
         token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
         token = token.masked_fill_(done, pad)
@@ -263,7 +264,7 @@ def _decode_loop(
         if t == n - 1 or bool(done.all()):
             break
         torch.logical_not(done, out=mask[:, p + t])
-        logits, cache = policy.decode_step(token[:, None], mask[:, : p + t + 1], next_position, cache)
+        logits, cache = policy.decode_step(token[:, None], mask[:, : p + t + 1], next_position, cache, agent_ids=agent_ids)
         next_position = next_position + 1
 
 
@@ -290,13 +291,15 @@ def sample(
     stops: Sequence[Sequence[str] | None] | None = None,
     max_new_tokens: Sequence[int | None] | None = None,
     generator: torch.Generator | None = None,
+    agent_ids: Sequence[AgentId] | None = None,
 ) -> Generation:
     """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
 
     ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``max_new_tokens[i]`` caps row ``i`` at
     ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
     ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
-    draws (same seed, same completions); None uses torch's global RNG. See the module docstring for the result.
+    draws (same seed, same completions); None uses torch's global RNG. ``agent_ids`` (one per row) go to every
+    ``policy.decode_step``. See the module docstring for the result.
     """
     check_params(params)
     _check_prompts(prompt_ids, prompt_mask)
@@ -316,7 +319,7 @@ def sample(
     out = _Draws.empty(b, n, tokenizer.pad_token_id, prompt_ids.device)
     if n > 0:
         _decode_loop(policy, prompt_ids, prompt_mask, params, out, end_ids=end_ids, watch=watch, caps=caps,
-                     generator=generator)
+                     generator=generator, agent_ids=agent_ids)
     completion_ids = out.ids[:, : out.steps]
     completion_mask = out.mask[:, : out.steps]
     return Generation(
@@ -337,8 +340,8 @@ def generate(
     generator: torch.Generator | None = None,
 ) -> Generation:
     """Encode ``observations`` with ``policy.encode_observations`` and :func:`sample` one completion for each,
-    with each observation's ``stop`` strings added to ``params.stop`` and its ``max_new_tokens`` (when set)
-    capping its row below ``params.max_new_tokens``."""
+    with each observation's ``stop`` strings added to ``params.stop``, its ``max_new_tokens`` (when set)
+    capping its row below ``params.max_new_tokens``, and its ``agent_id`` handed to the policy's decode steps."""
     if not observations:
         raise ValueError("generate: observations is empty")
     caps = [o.max_new_tokens for o in observations]
@@ -350,6 +353,7 @@ def generate(
     return sample(
         policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None,
         max_new_tokens=caps if any(c is not None for c in caps) else None, generator=generator,
+        agent_ids=[o.agent_id for o in observations],
     )
 
 

@@ -1,4 +1,4 @@
-"""Generation for several agents at once: each agent's rows sampled by the policy that plays it, merged back."""
+"""Generation for several agents at once: each agent's rows sampled apart (by its own parameters), merged back."""
 
 from __future__ import annotations
 
@@ -46,20 +46,19 @@ def merge_generations(parts: Sequence[Generation], rows: Sequence[Sequence[int]]
 def generate_by_agent(
     backend: Generator, policy: Any, observations: Sequence[Observation], params: SamplingParams, *, rng: torch.Generator | None = None
 ) -> Generation:
-    """Sample each row with the policy that plays its agent (``policy.for_agent(agent_id)``); one Generation back.
+    """Sample every row with ``policy``, one backend call per policy that plays the rows' agents; one Generation back.
 
-    Rows played by the same policy are sampled together, in one backend call, in order of first appearance: a
-    single-agent policy plays every agent itself, so its rows are one call (one batch, one draw per step), while a
-    :class:`~palestra.multiagent.sharing.MultiAgentPolicy` samples each agent's rows with that agent's view.
+    ``policy.for_agent(agent_id)`` says who plays a row. A single-agent policy plays every agent itself, so all its
+    rows are one call (one batch, one draw per step); a :class:`~palestra.multiagent.sharing.MultiAgentPolicy` has a
+    view per agent, so each agent's rows are a call of their own (its decode steps use that agent's view and KV
+    cache), in order of first appearance. The backend gets ``policy`` itself, never a view: the rows' agent ids
+    reach its decode steps, and under FSDP2 its forward hooks (the root's) run around each one.
     """
-    players: dict[int, tuple[Any, list[int]]] = {}  # id(player) -> (player, its rows)
+    groups: dict[int, list[int]] = {}  # id(the policy that plays the row) -> its rows
     for i, o in enumerate(observations):
-        player = policy.for_agent(o.agent_id)
-        players.setdefault(id(player), (player, []))[1].append(i)
-    if len(players) == 1:
-        return backend.generate(next(iter(players.values()))[0], observations, params, generator=rng)
-    parts = [
-        backend.generate(player, [observations[i] for i in idx], params, generator=rng)
-        for player, idx in players.values()
-    ]
-    return merge_generations(parts, [idx for _, idx in players.values()], policy.tokenizer.pad_token_id)
+        groups.setdefault(id(policy.for_agent(o.agent_id)), []).append(i)
+    if len(groups) == 1:
+        return backend.generate(policy, observations, params, generator=rng)
+    rows = list(groups.values())
+    parts = [backend.generate(policy, [observations[i] for i in idx], params, generator=rng) for idx in rows]
+    return merge_generations(parts, rows, policy.tokenizer.pad_token_id)

@@ -268,10 +268,8 @@ class DistributedContext:
         for block in blocks:
             fully_shard(block)
         fully_shard(policy)
-        # Make the policy the root of every FSDP state now. Otherwise the first module to run a forward claims that
-        # role: a multi-agent policy's rollout calls an agent's view (and its blocks) directly, before any forward
-        # of the policy itself, and the policy's first training forward then fails ("already lazily initialized").
-        policy._get_fsdp_state()._lazy_init()
+        # FSDP2 makes the first module to run a forward the root of every state; the rollout and the learner call the
+        # policy itself (a multi-agent policy routes rows to its views inside), so that is always the policy.
         for name in _forward_methods(policy):
             register_fsdp_forward_method(policy, name)
         # The blocks return views of their input's storage; nothing downstream modifies them in place.

@@ -36,7 +36,7 @@ RULES: dict[str, str] = {
     "scores are differentiable": "backward from the log-probs reaches the parameters",
     "one-row batch": "one observation encodes and scores",
     "state round-trip": "a fresh instance loaded from state_dict() scores bit for bit the same",
-    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes; greedy sampling repeats",
+    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes (decode_step takes agent_ids, as score does); greedy sampling repeats",
 }
 
 

@@ -15,7 +15,8 @@ config.json), and ``path`` can name an installed Python package's folder (``pack
 ``lora`` set the factory builds :class:`LoRAHFPolicy`: LoRA adapters (peft) over the frozen model, which is also
 the KL reference (the adapters disabled, no second copy), and checkpoints hold only the adapters. See docs/models.md.
 
-Loading this plugin imports neither torch nor transformers: :class:`HFPolicy` is defined on first use
+Loading this plugin imports neither torch nor transformers: :class:`HFPolicy` and its kin live in
+:mod:`palestra.plugins.policies._hf_model`, loaded on first use
 (``palestra config`` and ``palestra plugins`` stay fast).
 """
 

@@ -194,6 +194,30 @@ def test_generation_of_mixed_agent_rows_matches_each_agents_own_generation() -> 
     assert len({mixed.texts[0], mixed.texts[1], mixed.texts[3]}) > 1  # the decoders differ, so the agents answer differently
 
 
+def test_decode_step_runs_the_view_of_the_agent_the_rows_name_and_refuses_a_mix() -> None:
+    policy = diverged()
+    ids, mask = policy.encode_observations(CustomerServiceEnv().reset(2, seed=5))
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    for a in AGENTS:
+        got, _ = policy.decode_step(ids, mask, positions, None, agent_ids=[a, a])
+        want, _ = policy.for_agent(a).decode_step(ids, mask, positions, None)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"the rows name agents 'intent', 'response'; one call decodes one agent's rows"):
+        policy.decode_step(ids, mask, positions, None, agent_ids=["intent", "response"])
+
+
+def test_a_single_agent_policy_samples_every_agents_rows_in_one_batch() -> None:
+    policy = tiny(1)
+    backend = get_registry().get("generator", "kv_cache").factory()
+    base = CustomerServiceEnv().reset(4, seed=3)
+    obs = [Observation(prompt=o.prompt, agent_id=a, stop=o.stop) for o, a in zip(base, ["response", "intent", "response", "retrieval"])]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    mixed = generate_by_agent(backend, policy, obs, params, rng=torch.Generator().manual_seed(4))
+    whole = backend.generate(policy, obs, params, generator=torch.Generator().manual_seed(4))
+    assert mixed.texts == whole.texts and torch.equal(mixed.completion_ids, whole.completion_ids)
+    assert torch.equal(mixed.logprobs, whole.logprobs)
+
+
 # ---- update_frequency -----------------------------------------------------------------------------------------------
 def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overrides: str):
     torch.manual_seed(0)

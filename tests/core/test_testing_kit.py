@@ -471,6 +471,11 @@ class NoAgentIds(TinyTransformerPolicy):  # the pre-2.0 signature: the learner's
                              entropy=entropy, values=values)
 
 
+class NoAgentIdsInDecode(TinyTransformerPolicy):  # the kv_cache generator hands every decode step the rows' agent ids
+    def decode_step(self, input_ids, attention_mask, position_ids, cache):
+        return super().decode_step(input_ids, attention_mask, position_ids, cache)
+
+
 @pytest.mark.parametrize(
     ("policy", "method", "rule"),
     [
@@ -478,6 +483,7 @@ class NoAgentIds(TinyTransformerPolicy):  # the pre-2.0 signature: the learner's
         (RightPadded, "encode_observations", "left padding"),
         (ForgetsWeights, "load_state_dict", "state round-trip"),
         (NoAgentIds, "score", "score takes agent_ids"),
+        (NoAgentIdsInDecode, "generate", "generates"),
     ],
 )
 def test_a_broken_policy_is_caught(policy: type, method: str, rule: str) -> None:
