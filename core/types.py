@@ -396,11 +396,31 @@ class Policy(Protocol):
         temperature: float = 1.0,
         entropy: bool = True,
         values: bool = False,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> Any:
-        """A :class:`palestra.models.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked)."""
+        """A :class:`palestra.models.policy.TokenScores`: log-probs, entropy and values ``[B, T]`` (0 where masked).
+
+        ``agent_ids`` (one per row, or None) says which agent acted in each row: a multi-agent policy scores each
+        row with that agent's parameters; a single-agent policy accepts it and ignores it."""
         ...
 
-    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]: ...
+    def for_agent(self, agent_id: AgentId) -> Policy:
+        """The policy that plays ``agent_id``: itself for a single-agent policy, an agent's own view for a multi-agent
+        one. The rollout samples rows played by the same policy in one batch (through this policy, with agent ids)."""
+        ...
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        agent_ids: Sequence[AgentId] | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """Logits for the next token and the extended KV cache; ``agent_ids`` as in :meth:`score` (a multi-agent
+        policy decodes one agent's rows per call)."""
+        ...
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 

@@ -1,7 +1,8 @@
-"""Driving an :class:`~palestra.types.Environment` to the end of its episodes, and turning episodes into reward rows.
+"""Driving an :class:`~palestra.types.Environment` to the end of its episodes, and laying episodes out as training rows.
 
 This is the reference semantics of the environment protocol: the trainer's rollout loop does the same with a
-policy as the responder.
+policy as the responder. What a reward sees of an episode (:func:`reward_rows`) is credit assignment's business
+(:mod:`palestra.multiagent.credit`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palestra.multiagent.credit import reward_rows
 from palestra.multiagent.generation import generate_by_agent
-from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.types import (
     AgentId,
     Environment,
@@ -68,29 +69,6 @@ def run_episodes(
         if obs is not None:
             episodes[i].truncated = True
     return episodes
-
-
-def reward_rows(
-    episodes: Sequence[Episode], agent_id: AgentId | None = None
-) -> tuple[list[str], list[str], list[dict[str, Any]]]:
-    """``(prompts, completions, metadata)`` for a reward: each episode's last turn (of ``agent_id`` if given).
-
-    Each metadata row is the episode's metadata plus ``agent_id``, ``turn`` and the environment's ``info``
-    for that turn, so a reward can score different agents differently.
-    """
-    prompts: list[str] = []
-    completions: list[str] = []
-    metadata: list[dict[str, Any]] = []
-    for k, ep in enumerate(episodes):
-        turns = ep.by_agent(agent_id) if agent_id is not None else ep.turns
-        if not turns:
-            who = f" by agent {agent_id!r}" if agent_id is not None else ""
-            raise ValueError(f"episode {k} has no turn{who} to score")
-        turn = turns[-1]
-        prompts.append(turn.observation.prompt)
-        completions.append(turn.completion)
-        metadata.append({**ep.metadata, "agent_id": turn.agent_id, "turn": turn.observation.turn, "info": turn.info})
-    return prompts, completions, metadata
 
 
 # ---- rollouts with a policy ----------------------------------------------------------------------------
@@ -191,10 +169,7 @@ def collect(
     generations: list[Generation] = []
 
     def respond(observations: list[Observation]) -> list[str]:
-        if isinstance(policy, MultiAgentPolicy):  # each agent's rows by its own parameters
-            out = generate_by_agent(backend, policy, observations, params, rng=rng)
-        else:
-            out = backend.generate(policy, observations, params, generator=rng)
+        out = generate_by_agent(backend, policy, observations, params, rng=rng)
         generations.append(out)
         return list(out.texts)
 

@@ -42,7 +42,7 @@ from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.rollout import Rollout, collect
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
-from palestra.multiagent.credit import credit_rewards
+from palestra.multiagent.credit import credit_plan
 from palestra.multiagent.sharing import wrap_policy
 from palestra.plugin_manager import get_plugin_manager
 from palestra.scale.distributed import DistributedContext
@@ -178,12 +178,15 @@ class Trainer:
                 group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
             )
         gen_s = time.perf_counter() - started
+        # multi-agent: one reward call over every row credit assignment needs (agents.credit "role" gives each agent's
+        # rows its own turn's reward; per-agent metrics either way), then the plan splits that one output
+        plan = None if self.config.agents is None else credit_plan(ro.episodes, self.env.agent_ids, self.config.agents.credit)
         with self.watchdog.phase("reward"):
-            scored, global_mean = self.score_rows(*ro.reward_rows())
-        # multi-agent (issue 6): agents.credit "role" gives each agent's rows its own turn's reward; per-agent metrics
+            rows = ro.reward_rows() if plan is None else plan.rows
+            scored, global_mean = self.score_rows(*rows, counted=len(ro.episodes))
         agent_scores, agent_metrics = None, {}
-        if self.config.agents is not None:
-            agent_scores, agent_metrics = credit_rewards(self.reward, ro, self.env.agent_ids, self.config.agents.credit, scored)
+        if plan is not None:
+            scored, agent_scores, agent_metrics = plan.assign(scored)
         reward_s = time.perf_counter() - started - gen_s
         batch = ro.experience(scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id,
                               agent_scores=agent_scores)
@@ -210,8 +213,11 @@ class Trainer:
             metrics["reward/max"] = best
         return ro, batch, metrics
 
-    def score_rows(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> tuple[Any, float]:
-        """The reward on this rank's rows, and the global batch's mean score.
+    def score_rows(
+        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]], *, counted: int | None = None
+    ) -> tuple[Any, float]:
+        """The reward on this rank's rows, and the global batch's mean score over each rank's first ``counted`` rows
+        (None: all of them; a credit plan puts the episodes' last turns first).
 
         Under torchrun every rank scores the *global* batch (the rows of every rank, in rank order) and keeps its
         own slice: a stateful reward (a curriculum that unlocks a layer once a moving average is high enough)
@@ -219,12 +225,16 @@ class Trainer:
         """
         if not self.dist.enabled:
             out = self.reward(prompts, completions, metadata)
-            return out, _mean64(out.scores)
-        parts = self.dist.all_gather_object((prompts, completions, metadata))
+            return out, _mean64(out.scores[:counted])
+        parts = self.dist.all_gather_object((prompts, completions, metadata, counted))
         start = sum(len(p[1]) for p in parts[: self.dist.rank])
         rows = slice(start, start + len(completions))
         out = self.reward(*([x for p in parts for x in p[i]] for i in range(3)))
-        mean = _mean64(out.scores)
+        firsts, offset = [], 0
+        for p in parts:
+            firsts += range(offset, offset + (len(p[1]) if p[3] is None else p[3]))
+            offset += len(p[1])
+        mean = _mean64(out.scores[torch.as_tensor(firsts, device=out.scores.device)])
         out.scores = out.scores[rows]
         out.components = {k: v[rows] for k, v in out.components.items()}
         return out, mean

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from palestra.types import Observation
+from palestra.types import AgentId, Observation
 
 
 # score() fuses the output head with the log-prob kernel (palestra.kernels.linear_logprob_entropy) only when the
@@ -48,6 +48,14 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class ShapeAware(Protocol):
+    """A policy that states its shape for memory estimates (optional): every :class:`CausalLMPolicy` does, and a
+    multi-agent policy answers for its base."""
+
+    def model_dims(self) -> dict[str, int]: ...
 
 
 @dataclass
@@ -136,6 +144,12 @@ class CausalLMPolicy(torch.nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    def for_agent(self, agent_id: AgentId) -> CausalLMPolicy:
+        """The policy that plays ``agent_id``: this one, for every agent (one set of weights; a multi-agent policy
+        answers with that agent's view). The rollout samples rows played by the same policy in one batch."""
+        del agent_id
+        return self
+
     def encode_observations(self, observations: Sequence[Observation]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ``prompt_ids [B, P]`` (int64) and ``prompt_mask [B, P]`` (bool) on the policy's device.
 
@@ -220,12 +234,16 @@ class CausalLMPolicy(torch.nn.Module):
         temperature: float = 1.0,
         entropy: bool = True,
         values: bool = False,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> TokenScores:
         """Log-probs (and entropy, and values) of each completion token given everything before it.
 
         Differentiable with respect to the parameters. ``values`` needs :meth:`enable_value_head` first; the
-        value at token ``t`` is the head applied to the state that predicts token ``t``.
+        value at token ``t`` is the head applied to the state that predicts token ``t``. ``agent_ids`` (one per
+        row) is accepted from every caller and ignored: one set of weights plays every agent (see
+        :meth:`for_agent`); a multi-agent policy routes rows by it.
         """
+        del agent_ids
         # imported here so that listing plugins stays light
         from palestra.kernels import linear_logprob_entropy, logprob_entropy
 
@@ -273,16 +291,26 @@ class CausalLMPolicy(torch.nn.Module):
         prompt_mask: torch.Tensor,
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> torch.Tensor:
-        return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False).logprobs
+        return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids).logprobs
 
     @torch.no_grad()
     def decode_step(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        agent_ids: Sequence[AgentId] | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Logits ``[B, V]`` (float32) for the token after ``input_ids [B, L]``, and the extended cache."""
+        """Logits ``[B, V]`` (float32) for the token after ``input_ids [B, L]``, and the extended cache.
+
+        ``agent_ids`` (one per row) is ignored, as in :meth:`score`: one set of weights plays every agent."""
+        del agent_ids
         hidden, cache = self.trunk(input_ids, attention_mask, position_ids, cache, use_cache=True)
         return self.logits(hidden[:, -1]).float(), cache
 
 
-__all__ = ["CausalLMPolicy", "TokenScores", "Tokenizer"]
+__all__ = ["CausalLMPolicy", "ShapeAware", "TokenScores", "Tokenizer"]

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from palestra.types import Generation, Observation, SamplingParams
+from palestra.types import AgentId, Generation, Observation, SamplingParams
 
 
 def check_params(params: SamplingParams) -> None:
@@ -167,25 +168,8 @@ class _StopStrings:
         return hits
 
 
-@torch.no_grad()
-def sample(
-    policy: Any,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: SamplingParams,
-    *,
-    stops: Sequence[Sequence[str] | None] | None = None,
-    max_new_tokens: Sequence[int | None] | None = None,
-    generator: torch.Generator | None = None,
-) -> Generation:
-    """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
-
-    ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``max_new_tokens[i]`` caps row ``i`` at
-    ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
-    ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
-    draws (same seed, same completions); None uses torch's global RNG. See the module docstring for the result.
-    """
-    check_params(params)
+def _check_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    """Raise a one-line ValueError unless the prompts are a non-empty, left-padded int64 ``[B, P]`` with its bool mask."""
     if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.int64:
         raise ValueError(f"prompt_ids: expected an int64 tensor [B, P], got {prompt_ids.dtype} {list(prompt_ids.shape)}")
     if prompt_mask.shape != prompt_ids.shape or prompt_mask.dtype != torch.bool:
@@ -199,75 +183,93 @@ def sample(
     if not bool(prompt_mask[:, -1].all()):
         bad = int((~prompt_mask[:, -1]).nonzero()[0])
         raise ValueError(f"prompt_mask: row {bad} does not end in a real token (prompts are left-padded and not empty)")
-    if stops is not None and len(stops) != b:
-        raise ValueError(f"stops: expected one list per row ({b}), got {len(stops)}")
-    n = params.max_new_tokens
-    caps: list[int] | None = None
-    if max_new_tokens is not None:
-        if len(max_new_tokens) != b:
-            raise ValueError(f"max_new_tokens: expected one cap (or None) per row ({b}), got {len(max_new_tokens)}")
-        for i, c in enumerate(max_new_tokens):
-            if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
-                raise ValueError(f"max_new_tokens[{i}]: expected an integer >= 0 or None, got {c!r}")
-        caps = [n if c is None else min(n, c) for c in max_new_tokens]
-        n = max(caps)  # no row runs longer
-    limit = getattr(policy, "max_len", None)
-    if isinstance(limit, int) and p + n > limit:
-        raise ValueError(
-            f"policy.options.max_len: a prompt of {p} tokens + max_new_tokens={n} is longer than max_len={limit}"
-        )
 
-    tokenizer = policy.tokenizer
-    pad = tokenizer.pad_token_id
-    end_ids = sorted({tokenizer.eos_token_id, *params.stop_token_ids})
+
+def _row_caps(n: int, max_new_tokens: Sequence[int | None] | None, b: int) -> list[int] | None:
+    """Each row's token limit, ``min(n, max_new_tokens[i])`` (None: no per-row caps)."""
+    if max_new_tokens is None:
+        return None
+    if len(max_new_tokens) != b:
+        raise ValueError(f"max_new_tokens: expected one cap (or None) per row ({b}), got {len(max_new_tokens)}")
+    for i, c in enumerate(max_new_tokens):
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(f"max_new_tokens[{i}]: expected an integer >= 0 or None, got {c!r}")
+    return [n if c is None else min(n, c) for c in max_new_tokens]
+
+
+def _row_stops(params: SamplingParams, stops: Sequence[Sequence[str] | None] | None, b: int) -> list[list[str]]:
+    """Each row's stop strings: ``params.stop`` plus its own (``stops`` has one entry per row, checked already)."""
     row_stops = [list(params.stop) + list((stops[i] or []) if stops is not None else []) for i in range(b)]
     for i, row in enumerate(row_stops):
         for s in row:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stops[{i}]: expected non-empty strings, got {s!r}")
-    watch = _StopStrings(tokenizer, row_stops)
+    return row_stops
 
+
+@dataclass
+class _Draws:
+    """The completion being written, one column per step: token ids, their mask and their behaviour log-probs."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    steps: int = 0  # columns written
+
+    @classmethod
+    def empty(cls, b: int, n: int, pad: int, device: torch.device) -> _Draws:
+        return cls(
+            ids=torch.full((b, n), pad, dtype=torch.int64, device=device),
+            mask=torch.zeros((b, n), dtype=torch.bool, device=device),
+            logprobs=torch.zeros((b, n), dtype=torch.float32, device=device),
+        )
+
+
+def _decode_loop(
+    policy: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, out: _Draws, *,
+    end_ids: list[int], watch: _StopStrings, caps: list[int] | None, generator: torch.Generator | None,
+    agent_ids: Sequence[AgentId] | None,
+) -> None:
+    """Prefill the prompt, then draw one token per row per step into ``out`` until every row is done or full."""
+    b, p = prompt_ids.shape
+    n = out.ids.shape[1]
     device = prompt_ids.device
-    completion_ids = torch.full((b, n), pad, dtype=torch.int64, device=device)
-    completion_mask = torch.zeros((b, n), dtype=torch.bool, device=device)
-    logprobs = torch.zeros((b, n), dtype=torch.float32, device=device)
-    steps = 0
-    if n > 0:
-        end_t = torch.tensor(end_ids, dtype=torch.int64, device=device)
-        # The attention mask of the whole generation, allocated once: step t attends to its first p + t + 1
-        # columns (a view), and each step writes one column (finished rows' new tokens are padding).
-        mask = torch.empty((b, p + n), dtype=torch.bool, device=device)
-        mask[:, :p] = prompt_mask
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        next_position = positions[:, -1:] + 1
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
+    pad = policy.tokenizer.pad_token_id
+    end_t = torch.tensor(end_ids, dtype=torch.int64, device=device)
+    # The attention mask of the whole generation, allocated once: step t attends to its first p + t + 1
+    # columns (a view), and each step writes one column (finished rows' new tokens are padding).
+    mask = torch.empty((b, p + n), dtype=torch.bool, device=device)
+    mask[:, :p] = prompt_mask
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    next_position = positions[:, -1:] + 1
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
+    if cap_t is not None:
+        done = cap_t == 0  # rows capped at 0 tokens sample nothing
+    logits, cache = policy.decode_step(prompt_ids, prompt_mask, positions, None, agent_ids=agent_ids)
+    for t in range(n):
+        token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
+        token = token.masked_fill_(done, pad)
+        out.ids[:, t] = token
+        torch.logical_not(done, out=out.mask[:, t])
+        out.logprobs[:, t] = logp.masked_fill_(done, 0.0)
+        done = done | torch.isin(token, end_t)
+        out.steps = t + 1
+        if watch:
+            hits = watch.update(token.tolist(), done.tolist())
+            if hits:
+                done[hits] = True
         if cap_t is not None:
-            done = cap_t == 0  # rows capped at 0 tokens sample nothing
-        logits, cache = policy.decode_step(prompt_ids, prompt_mask, positions, None)
-        for t in range(n):
-            token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
-            token = token.masked_fill_(done, pad)
-            completion_ids[:, t] = token
-            torch.logical_not(done, out=completion_mask[:, t])
-            logprobs[:, t] = logp.masked_fill_(done, 0.0)
-            done = done | torch.isin(token, end_t)
-            steps = t + 1
-            if watch:
-                hits = watch.update(token.tolist(), done.tolist())
-                if hits:
-                    done[hits] = True
-            if cap_t is not None:
-                done = done | (cap_t <= t + 1)  # rows at their own cap: truncated like at max_new_tokens
-            if t == n - 1 or bool(done.all()):
-                break
-            torch.logical_not(done, out=mask[:, p + t])
-            logits, cache = policy.decode_step(token[:, None], mask[:, : p + t + 1], next_position, cache)
-            next_position = next_position + 1
+            done = done | (cap_t <= t + 1)  # rows at their own cap: truncated like at max_new_tokens
+        if t == n - 1 or bool(done.all()):
+            break
+        torch.logical_not(done, out=mask[:, p + t])
+        logits, cache = policy.decode_step(token[:, None], mask[:, : p + t + 1], next_position, cache, agent_ids=agent_ids)
+        next_position = next_position + 1
 
-    completion_ids = completion_ids[:, :steps]
-    completion_mask = completion_mask[:, :steps]
-    logprobs = logprobs[:, :steps]
+
+def _texts(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: list[int]) -> list[str]:
+    """Each row's completion as text, without the EOS / stop token that ended it."""
     lengths = completion_mask.sum(-1).tolist()
     end_set = set(end_ids)
     texts = []
@@ -276,13 +278,57 @@ def sample(
         if ids and ids[-1] in end_set:  # the EOS / stop token that ended the row is not text
             ids = ids[:-1]
         texts.append(tokenizer.decode(ids))
+    return texts
+
+
+@torch.no_grad()
+def sample(
+    policy: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    *,
+    stops: Sequence[Sequence[str] | None] | None = None,
+    max_new_tokens: Sequence[int | None] | None = None,
+    generator: torch.Generator | None = None,
+    agent_ids: Sequence[AgentId] | None = None,
+) -> Generation:
+    """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
+
+    ``stops[i]`` adds stop strings for row ``i`` to ``params.stop``. ``max_new_tokens[i]`` caps row ``i`` at
+    ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
+    ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
+    draws (same seed, same completions); None uses torch's global RNG. ``agent_ids`` (one per row) go to every
+    ``policy.decode_step``. See the module docstring for the result.
+    """
+    check_params(params)
+    _check_prompts(prompt_ids, prompt_mask)
+    b, p = prompt_ids.shape
+    if stops is not None and len(stops) != b:
+        raise ValueError(f"stops: expected one list per row ({b}), got {len(stops)}")
+    caps = _row_caps(params.max_new_tokens, max_new_tokens, b)
+    n = params.max_new_tokens if caps is None else max(caps)  # no row runs longer than its cap
+    limit = getattr(policy, "max_len", None)
+    if isinstance(limit, int) and p + n > limit:
+        raise ValueError(
+            f"policy.options.max_len: a prompt of {p} tokens + max_new_tokens={n} is longer than max_len={limit}"
+        )
+    tokenizer = policy.tokenizer
+    end_ids = sorted({tokenizer.eos_token_id, *params.stop_token_ids})
+    watch = _StopStrings(tokenizer, _row_stops(params, stops, b))
+    out = _Draws.empty(b, n, tokenizer.pad_token_id, prompt_ids.device)
+    if n > 0:
+        _decode_loop(policy, prompt_ids, prompt_mask, params, out, end_ids=end_ids, watch=watch, caps=caps,
+                     generator=generator, agent_ids=agent_ids)
+    completion_ids = out.ids[:, : out.steps]
+    completion_mask = out.mask[:, : out.steps]
     return Generation(
-        texts=texts,
+        texts=_texts(tokenizer, completion_ids, completion_mask, end_ids),
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
-        logprobs=logprobs,
+        logprobs=out.logprobs[:, : out.steps],
     )
 
 
@@ -294,8 +340,8 @@ def generate(
     generator: torch.Generator | None = None,
 ) -> Generation:
     """Encode ``observations`` with ``policy.encode_observations`` and :func:`sample` one completion for each,
-    with each observation's ``stop`` strings added to ``params.stop`` and its ``max_new_tokens`` (when set)
-    capping its row below ``params.max_new_tokens``."""
+    with each observation's ``stop`` strings added to ``params.stop``, its ``max_new_tokens`` (when set)
+    capping its row below ``params.max_new_tokens``, and its ``agent_id`` handed to the policy's decode steps."""
     if not observations:
         raise ValueError("generate: observations is empty")
     caps = [o.max_new_tokens for o in observations]
@@ -307,6 +353,7 @@ def generate(
     return sample(
         policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None,
         max_new_tokens=caps if any(c is not None for c in caps) else None, generator=generator,
+        agent_ids=[o.agent_id for o in observations],
     )
 
 

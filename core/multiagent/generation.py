@@ -1,4 +1,4 @@
-"""Generation for several agents at once: each agent's rows sampled by its own view of the policy, merged back."""
+"""Generation for several agents at once: each agent's rows sampled apart (by its own parameters), merged back."""
 
 from __future__ import annotations
 
@@ -46,13 +46,19 @@ def merge_generations(parts: Sequence[Generation], rows: Sequence[Sequence[int]]
 def generate_by_agent(
     backend: Generator, policy: Any, observations: Sequence[Observation], params: SamplingParams, *, rng: torch.Generator | None = None
 ) -> Generation:
-    """Sample each agent's rows with ``policy.for_agent(agent_id)``, in order of first appearance; one Generation back."""
-    order = list(dict.fromkeys(o.agent_id for o in observations))
-    rows = [[i for i, o in enumerate(observations) if o.agent_id == a] for a in order]
-    if len(order) == 1:
-        return backend.generate(policy.for_agent(order[0]), observations, params, generator=rng)
-    parts = [
-        backend.generate(policy.for_agent(a), [observations[i] for i in idx], params, generator=rng)
-        for a, idx in zip(order, rows)
-    ]
+    """Sample every row with ``policy``, one backend call per policy that plays the rows' agents; one Generation back.
+
+    ``policy.for_agent(agent_id)`` says who plays a row. A single-agent policy plays every agent itself, so all its
+    rows are one call (one batch, one draw per step); a :class:`~palestra.multiagent.sharing.MultiAgentPolicy` has a
+    view per agent, so each agent's rows are a call of their own (its decode steps use that agent's view and KV
+    cache), in order of first appearance. The backend gets ``policy`` itself, never a view: the rows' agent ids
+    reach its decode steps, and under FSDP2 its forward hooks (the root's) run around each one.
+    """
+    groups: dict[int, list[int]] = {}  # id(the policy that plays the row) -> its rows
+    for i, o in enumerate(observations):
+        groups.setdefault(id(policy.for_agent(o.agent_id)), []).append(i)
+    if len(groups) == 1:
+        return backend.generate(policy, observations, params, generator=rng)
+    rows = list(groups.values())
+    parts = [backend.generate(policy, [observations[i] for i in idx], params, generator=rng) for idx in rows]
     return merge_generations(parts, rows, policy.tokenizer.pad_token_id)

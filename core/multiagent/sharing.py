@@ -9,9 +9,11 @@ policies. A weight tied across two groups in different sharing classes (the tiny
 output head) is untied first: one copy per group, equal at the start.
 
 Why views rather than one module that routes inside its forward: a view is an ordinary
-:class:`~palestra.models.policy.CausalLMPolicy`, so the generators, KV caches and ``score`` work on it unchanged. The
-rollout (:func:`palestra.engine.rollout.collect`) generates each agent's rows with ``for_agent(agent_id)``;
-:meth:`MultiAgentPolicy.score` takes ``agent_ids`` (one per row) and scores each agent's rows with its view.
+:class:`~palestra.models.policy.CausalLMPolicy`, so KV caches and ``score`` work on it unchanged. The policy itself
+is what the rollout and the learner call, with the rows' agent ids as data: :meth:`MultiAgentPolicy.score` scores
+each agent's rows with its view, and :meth:`MultiAgentPolicy.decode_step` decodes one agent's rows with its view
+(the rollout samples each agent's rows apart). Calls go through the policy, never straight to a view, so that
+under FSDP2 the policy's own forward hooks run first (it is the root).
 
 ``update_frequency`` (the contract between this module and the ``mappo`` optimiser): the independent layers take
 an optimiser step on every update; the shared layers' gradients, from every agent, accumulate over
@@ -92,8 +94,6 @@ class MultiAgentPolicy(torch.nn.Module):
     ``views[key]`` is agent ``agent_ids[i]``'s policy (the first agent's view is the base itself). The module's
     ``parameters()`` list every tensor once; :meth:`shared_parameters` and :meth:`agent_parameters` split them.
     """
-
-    routes_agents = True  # score() wants agent_ids (one per row)
 
     def __init__(self, base: Any, agents: AgentsConfig, agent_ids: Sequence[AgentId], *, path: str = _KEY_PATH) -> None:
         super().__init__()
@@ -232,8 +232,30 @@ class MultiAgentPolicy(torch.nn.Module):
         return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids).logprobs
 
     @torch.no_grad()
-    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        return self._single_view("decode_step").decode_step(input_ids, attention_mask, position_ids, cache)
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        agent_ids: Sequence[AgentId] | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """One decode step of the agent every row names (``agent_ids``), with that agent's view and KV cache.
+
+        The rows of one call must name one agent: a cache belongs to one view (the rollout generates each agent's
+        rows apart, :func:`palestra.multiagent.generation.generate_by_agent`)."""
+        if agent_ids is None:
+            view = self._single_view("decode_step")
+        else:
+            agents = list(dict.fromkeys(agent_ids))
+            if len(agents) != 1:
+                raise ValueError(
+                    f"MultiAgentPolicy.decode_step: the rows name agents {', '.join(map(repr, agents)) or 'none'}; "
+                    "one call decodes one agent's rows (its view's KV cache)"
+                )
+            view = self.for_agent(agents[0])
+        return view.decode_step(input_ids, attention_mask, position_ids, cache)
 
     def named_views(self) -> Iterator[tuple[AgentId, Any]]:
         for a in self.agent_ids:

@@ -15,8 +15,8 @@ Strategies (``distributed.strategy``):
   it also keeps gradient accumulation free of ``no_sync`` bookkeeping (one all-reduce per optimiser step).
 * ``fsdp``: FSDP2 :func:`torch.distributed.fsdp.fully_shard` on each transformer block and on the policy
   itself; parameters, gradients and optimiser state are sharded across ranks (DTensors). The policy's entry
-  points (``score``, ``decode_step``, ``trunk``) are routed through ``forward`` so that FSDP's hooks gather the
-  root parameters around each call (see :func:`route_through_forward`).
+  points (``score``, ``decode_step``, and a causal-LM policy's ``trunk``) are registered with torch's
+  ``register_fsdp_forward_method``, so that FSDP's hooks gather the root parameters around each call.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import contextlib
 import datetime
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["DistributedContext", "find_blocks", "route_through_forward"]
+__all__ = ["DistributedContext", "find_blocks"]
 
 # Metrics that are throughputs: summed over ranks (every other metric is averaged).
 _SUMMED_PREFIXES = ("perf/tokens_per_s", "perf/gen_tokens_per_s")
@@ -238,21 +238,26 @@ class DistributedContext:
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
-        for m in modules:
+        # The root keeps FSDP's own choice for it (no resharding after a forward: training all-gathers it again at
+        # once), which is also what lets score's own call of trunk, both registered forward methods, run nested.
+        blocks = [m for m in modules if m is not policy]
+        for m in blocks:
             m.set_reshard_after_forward(False, recurse=False)
+        for m in modules:
             m.unshard()
         try:
             yield
         finally:
             for m in modules:
                 m.reshard()
+            for m in blocks:
                 m.set_reshard_after_forward(True, recurse=False)
 
     def shard(self, policy: torch.nn.Module) -> torch.nn.Module:
         """FSDP2: ``fully_shard`` every transformer block, then the policy (the root); a no-op for ddp/one rank."""
         if not self.fsdp:
             return policy
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         blocks = find_blocks(policy)
         if not blocks:
@@ -263,13 +268,10 @@ class DistributedContext:
         for block in blocks:
             fully_shard(block)
         fully_shard(policy)
-        # Make the policy the root of every FSDP state now. Otherwise the first module to run a forward claims that
-        # role: a multi-agent policy's rollout calls an agent's view (and its blocks) directly, before any forward
-        # of the policy itself, and the policy's first training forward then fails ("already lazily initialized").
-        policy._get_fsdp_state()._lazy_init()
-        from palestra.multiagent.sharing import MultiAgentPolicy
-
-        route_through_forward(policy, _ROUTED_MULTI_AGENT if isinstance(policy, MultiAgentPolicy) else _ROUTED)
+        # FSDP2 makes the first module to run a forward the root of every state; the rollout and the learner call the
+        # policy itself (a multi-agent policy routes rows to its views inside), so that is always the policy.
+        for name in _forward_methods(policy):
+            register_fsdp_forward_method(policy, name)
         # The blocks return views of their input's storage; nothing downstream modifies them in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return policy
@@ -331,50 +333,14 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 # ---- FSDP2 entry points ------------------------------------------------------------------------------
-_ROUTED = ("score", "decode_step", "trunk")  # a causal-LM policy's entry points
-_ROUTED_MULTI_AGENT = ("score", "decode_step")  # a multi-agent policy's (its views have the trunks)
-
-
-def route_through_forward(policy: torch.nn.Module, methods: Sequence[str] = _ROUTED) -> None:
-    """Make ``policy.<method>(...)`` run as ``policy(...)`` so that FSDP2's forward hooks fire around it.
+def _forward_methods(policy: torch.nn.Module) -> tuple[str, ...]:
+    """The methods a policy is driven through instead of ``forward``: every policy's ``score`` (training) and
+    ``decode_step`` (generation), and a causal-LM policy's ``trunk`` (the learner's hidden-state diagnostics).
 
     FSDP2 gathers a module's sharded parameters in a forward pre-hook and registers the backward hooks on the
-    forward's output tensors. A policy is used through ``score`` (training), ``decode_step`` (generation) and
-    ``trunk``, never ``forward``; this installs per-instance wrappers that call ``forward`` with the method's
-    name, and a ``forward`` that dispatches to the real method. Outputs are flattened to tuples of tensors
-    on the way out of ``forward`` (FSDP walks them as pytrees) and rebuilt after. A call made from inside
-    another routed call goes straight to the method (the parameters are already gathered).
+    forward's outputs; ``register_fsdp_forward_method`` runs those hooks around these methods as well. A multi-agent
+    policy has no trunk of its own: its views' trunks run inside its ``score`` and ``decode_step``.
     """
-    from palestra.models.policy import TokenScores
+    from palestra.models.policy import CausalLMPolicy
 
-    cls = type(policy)
-    state = {"depth": 0}
-
-    def forward(*args: Any, _palestra_method: str, **kwargs: Any) -> Any:
-        state["depth"] += 1
-        try:
-            out = getattr(cls, _palestra_method)(policy, *args, **kwargs)
-        finally:
-            state["depth"] -= 1
-        if isinstance(out, TokenScores):
-            return ("__token_scores__", out.logprobs, out.entropy, out.values)
-        return out
-
-    def wrap(name: str) -> Callable[..., Any]:
-        direct = getattr(cls, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if state["depth"]:
-                return direct(policy, *args, **kwargs)
-            out = policy(*args, _palestra_method=name, **kwargs)
-            if isinstance(out, tuple) and out and isinstance(out[0], str) and out[0] == "__token_scores__":
-                return TokenScores(logprobs=out[1], entropy=out[2], values=out[3])
-            return out
-
-        call.__name__ = name
-        call.__doc__ = direct.__doc__
-        return call
-
-    policy.forward = forward  # type: ignore[method-assign]
-    for name in methods:
-        setattr(policy, name, wrap(name))
+    return ("score", "decode_step", "trunk") if isinstance(policy, CausalLMPolicy) else ("score", "decode_step")

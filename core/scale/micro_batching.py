@@ -184,11 +184,11 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def model_dims(policy: Any) -> dict[str, int]:
     """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
-    when it is a causal-LM policy (or a multi-agent one over it), else guessed from the parameter count."""
-    from palestra.models.policy import CausalLMPolicy
-    from palestra.multiagent.sharing import MultiAgentPolicy
+    when it states one (:class:`~palestra.models.policy.ShapeAware`: a causal-LM policy, or a multi-agent one over
+    it), else guessed from the parameter count."""
+    from palestra.models.policy import ShapeAware
 
-    if isinstance(policy, (CausalLMPolicy, MultiAgentPolicy)):
+    if isinstance(policy, ShapeAware):
         return policy.model_dims()
     params = sum(p.numel() for p in policy.parameters())
     hidden = max(8, int((params / 12) ** (1 / 3)))

@@ -32,10 +32,11 @@ RULES: dict[str, str] = {
     "log-probs are finite and <= 0": "every real token's log-prob is finite and at most 0",
     "padding does not change a row's scores": "a row scored alone matches the same row scored beside a longer one (within 1e-4)",
     "scoring is deterministic": "in eval mode, scoring twice gives the same numbers bit for bit",
+    "score takes agent_ids": "score(..., agent_ids=[one id per row]) runs; every row naming the same agent scores bit for bit as without",
     "scores are differentiable": "backward from the log-probs reaches the parameters",
     "one-row batch": "one observation encodes and scores",
     "state round-trip": "a fresh instance loaded from state_dict() scores bit for bit the same",
-    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes; greedy sampling repeats",
+    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes (decode_step takes agent_ids, as score does); greedy sampling repeats",
 }
 
 
@@ -67,6 +68,7 @@ def check_policy(
     scores = _score(model, c, ids, mask, comp_ids, comp_mask)
     found = first_difference(scores, _score(model, c, ids, mask, comp_ids, comp_mask), "logprobs")
     c.require(found is None, "score", "scoring is deterministic", f"scoring twice differs: {found}")
+    _check_agent_ids(model, c, ids, mask, comp_ids, comp_mask, scores)
     _check_padding(model, c, obs, comp_ids, comp_mask)
     _check_gradient(model, c, ids, mask, comp_ids, comp_mask)
     _check_state(model, subj, c, ids, mask, comp_ids, comp_mask, scores)
@@ -130,6 +132,19 @@ def _score(model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mas
     c.require(bool(torch.isfinite(real).all()) and bool((real <= 0).all()), "score", "log-probs are finite and <= 0",
               f"log-probs range from {real.min().item()} to {real.max().item()}")
     return out.logprobs
+
+
+def _check_agent_ids(model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any, scores: Any) -> None:
+    """The learner passes every row's agent id to every policy (a multi-agent policy routes rows by them)."""
+    import torch
+
+    from palestra.types import DEFAULT_AGENT
+
+    rule = "score takes agent_ids"
+    with torch.no_grad(), c.calling("score", rule):
+        out = model.score(ids, mask, comp_ids, comp_mask, entropy=True, agent_ids=[DEFAULT_AGENT] * ids.shape[0])
+    found = first_difference(scores, out.logprobs, "logprobs")
+    c.require(found is None, "score", rule, f"agent_ids={DEFAULT_AGENT!r} on every row changed the scores: {found}")
 
 
 def _check_padding(model: Any, c: Contract, obs: list[Observation], comp_ids: Any, comp_mask: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from palestra.config import AgentsConfig, ConfigError, load_config
+from palestra.multiagent.credit import credit_plan, reward_rows
 from palestra.multiagent.sharing import MultiAgentPolicy, wrap_policy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.customer_service import (
@@ -20,7 +21,7 @@ from palestra.plugins.envs.customer_service import (
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
 from palestra.engine.rollout import collect, generate_by_agent
 from palestra.engine.trainer import Trainer
-from palestra.types import Observation, SamplingParams
+from palestra.types import Observation, RewardOutput, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -193,6 +194,30 @@ def test_generation_of_mixed_agent_rows_matches_each_agents_own_generation() -> 
     assert len({mixed.texts[0], mixed.texts[1], mixed.texts[3]}) > 1  # the decoders differ, so the agents answer differently
 
 
+def test_decode_step_runs_the_view_of_the_agent_the_rows_name_and_refuses_a_mix() -> None:
+    policy = diverged()
+    ids, mask = policy.encode_observations(CustomerServiceEnv().reset(2, seed=5))
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    for a in AGENTS:
+        got, _ = policy.decode_step(ids, mask, positions, None, agent_ids=[a, a])
+        want, _ = policy.for_agent(a).decode_step(ids, mask, positions, None)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"the rows name agents 'intent', 'response'; one call decodes one agent's rows"):
+        policy.decode_step(ids, mask, positions, None, agent_ids=["intent", "response"])
+
+
+def test_a_single_agent_policy_samples_every_agents_rows_in_one_batch() -> None:
+    policy = tiny(1)
+    backend = get_registry().get("generator", "kv_cache").factory()
+    base = CustomerServiceEnv().reset(4, seed=3)
+    obs = [Observation(prompt=o.prompt, agent_id=a, stop=o.stop) for o, a in zip(base, ["response", "intent", "response", "retrieval"])]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    mixed = generate_by_agent(backend, policy, obs, params, rng=torch.Generator().manual_seed(4))
+    whole = backend.generate(policy, obs, params, generator=torch.Generator().manual_seed(4))
+    assert mixed.texts == whole.texts and torch.equal(mixed.completion_ids, whole.completion_ids)
+    assert torch.equal(mixed.logprobs, whole.logprobs)
+
+
 # ---- update_frequency -----------------------------------------------------------------------------------------------
 def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overrides: str):
     torch.manual_seed(0)
@@ -250,3 +275,77 @@ def test_update_frequency_steps_with_the_mean_of_the_windows_gradients() -> None
     assert not torch.equal(mean[0], window[0] / 2), "two different gradients in the window"
     state = algo.optimizers["shared"].state[shared[0]]
     torch.testing.assert_close(state["exp_avg"], (1 - 0.9) * mean[0])  # AdamW's first moment after one step
+
+
+# ---- credit assignment: one reward call per step ---------------------------------------------------------------------
+class CountingReward:
+    """A stateful reward as a curriculum is one: every call is a step of its state (here, a count of calls and rows)."""
+
+    def __init__(self) -> None:
+        self.inner = get_registry().get("reward", "fluency").factory()
+        self.calls = 0
+        self.rows = 0
+
+    def __call__(self, prompts, completions, metadata):
+        self.calls += 1
+        self.rows += len(completions)
+        return RewardOutput(torch.as_tensor(self.inner(prompts, completions, metadata), dtype=torch.float32))
+
+
+def three_agent_rollout(step: int = 0):
+    policy = diverged()
+    return collect(CustomerServiceEnv(), policy, get_registry().get("generator", "kv_cache").factory(),
+                   SamplingParams(max_new_tokens=4), 4, seed=step, rng=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("credit", ["team", "role"])
+def test_a_credit_plan_is_scored_by_one_reward_call_over_each_needed_row_once(credit: str) -> None:
+    ro = three_agent_rollout()
+    plan = credit_plan(ro.episodes, AGENTS, credit)
+    reward = CountingReward()
+    team, agent_scores, metrics = plan.assign(reward(*plan.rows))
+    assert reward.calls == 1
+    # each episode's last turn (the response) is the team row and the response agent's row: scored once
+    turns = {(m["turn"], m["agent_id"], p, c) for p, c, m in zip(*plan.rows)}
+    assert len(turns) == len(plan.rows[0]) == len(AGENTS) * len(ro.episodes)
+    plain = CountingReward()  # the definitions, each scored on its own
+    assert torch.equal(team.scores, plain(*reward_rows(ro.episodes)).scores)
+    own = {a: plain(*reward_rows(ro.episodes, a)).scores for a in AGENTS}
+    assert metrics == {f"reward/agent/{a}": float(own[a].mean()) for a in AGENTS}
+    if credit == "team":
+        assert agent_scores is None
+    else:
+        assert {a: s.tolist() for a, s in agent_scores.items()} == {a: s.tolist() for a, s in own.items()}
+
+
+def test_a_credit_plan_refuses_an_output_of_the_wrong_length_and_an_unknown_mode() -> None:
+    ro = three_agent_rollout()
+    plan = credit_plan(ro.episodes, AGENTS, "role")
+    with pytest.raises(ValueError, match=r"scored 4 rows; the plan has 12"):
+        plan.assign(RewardOutput(torch.zeros(4)))
+    with pytest.raises(ValueError, match=r"^agents\.credit: expected one of team, role, got 'agent'"):
+        credit_plan(ro.episodes, AGENTS, "agent")
+
+
+def test_an_agent_that_acts_in_some_episodes_gets_zero_elsewhere_and_its_mean_over_its_own() -> None:
+    ro = three_agent_rollout()
+    ro.episodes[1].turns = ro.episodes[1].turns[:1]  # episode 1 ended after the intent turn
+    plan = credit_plan(ro.episodes, AGENTS, "role")
+    scores = torch.arange(len(plan.rows[0]), dtype=torch.float32) + 1
+    team, per_agent, metrics = plan.assign(RewardOutput(scores))
+    assert team.scores.tolist() == [1.0, 2.0, 3.0, 4.0]  # the team rows come first, in episode order
+    assert per_agent["intent"][1] == 2.0  # episode 1's last turn is intent's: the same row, scored once
+    assert per_agent["response"][1] == 0.0 and metrics["reward/agent/response"] == float(per_agent["response"][[0, 2, 3]].mean())
+
+
+@pytest.mark.parametrize(("credit", "calls"), [("team", 2), ("role", 2)])
+def test_a_stateful_reward_is_called_once_per_step_whatever_the_credit(tmp_path, credit: str, calls: int) -> None:
+    # Bug 3: role credit called the reward again for each agent, so a layered curriculum advanced 6 times in 2 steps
+    # (under torchrun the extra calls saw only the rank's own rows, and the ranks' curricula diverged).
+    layers = "{layers: [{name: fluency}, {name: factual, unlock_at: 0.5}]}"
+    config = load_config(EXAMPLE, ["reward.name=layered", f"reward.options={layers}", f"agents.credit={credit}",
+                                   "loggers=[]", "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"])
+    trainer = Trainer(config, run_dir=tmp_path)
+    for _ in range(2):
+        trainer.train_step()
+    assert trainer.reward.reward.calls == calls

@@ -465,12 +465,25 @@ class ForgetsWeights(TinyTransformerPolicy):
         return None  # loads nothing
 
 
+class NoAgentIds(TinyTransformerPolicy):  # the pre-2.0 signature: the learner's agent_ids would be a TypeError
+    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0, entropy=True, values=False):
+        return super().score(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
+                             entropy=entropy, values=values)
+
+
+class NoAgentIdsInDecode(TinyTransformerPolicy):  # the kv_cache generator hands every decode step the rows' agent ids
+    def decode_step(self, input_ids, attention_mask, position_ids, cache):
+        return super().decode_step(input_ids, attention_mask, position_ids, cache)
+
+
 @pytest.mark.parametrize(
     ("policy", "method", "rule"),
     [
         (UnmaskedScores, "score", "masked tokens score 0"),
         (RightPadded, "encode_observations", "left padding"),
         (ForgetsWeights, "load_state_dict", "state round-trip"),
+        (NoAgentIds, "score", "score takes agent_ids"),
+        (NoAgentIdsInDecode, "generate", "generates"),
     ],
 )
 def test_a_broken_policy_is_caught(policy: type, method: str, rule: str) -> None:

@@ -18,7 +18,7 @@ from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
 from palestra.engine.rollout import collect
-from palestra.multiagent.credit import credit_rewards
+from palestra.multiagent.credit import credit_plan
 from palestra.types import Observation, RewardOutput, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,8 +86,8 @@ def rollout(policy, algo, step: int, credit: str = "team", batch: int = 16):
     GEN = GEN or get_registry().get("generator", "kv_cache").factory()
     ro = collect(HandOver(), policy, GEN, SamplingParams(max_new_tokens=2), batch, seed=step,
                  rng=torch.Generator().manual_seed(1000 + step))
-    team = hand_over_reward(*ro.reward_rows())
-    agent_scores, metrics = credit_rewards(hand_over_reward, ro, AGENTS, credit, team)
+    plan = credit_plan(ro.episodes, AGENTS, credit)
+    team, agent_scores, metrics = plan.assign(hand_over_reward(*plan.rows))
     exp = ro.experience(team.scores, team.components, pad_token_id=policy.tokenizer.pad_token_id, agent_scores=agent_scores)
     return exp, float(team.scores.mean()), metrics
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from palestra.config import ConfigError, build_component, load_config
-from palestra.engine.rollout import Rollout, reward_rows, run_episodes
-from palestra.multiagent.credit import credit_rewards
+from palestra.engine.rollout import reward_rows, run_episodes
+from palestra.multiagent.credit import credit_plan
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs import textarena as ta_env
 from palestra.plugins.envs.textarena import TextArenaEnv
@@ -202,8 +202,8 @@ def test_agent_ids_and_rewards_map_to_players() -> None:
             assert scored.components["win"].tolist() == [float(agent == "player_1")]
     # role credit (what the trainer does with agents.credit: role) gives each agent's rows its own result
     reward = outcome_reward()
-    ro = Rollout([ep], generations=[])
-    scores, metrics = credit_rewards(reward, ro, e.agent_ids, "role", reward(*ro.reward_rows()))
+    plan = credit_plan([ep], e.agent_ids, "role")
+    _, scores, metrics = plan.assign(reward(*plan.rows))
     assert {a: s.tolist() for a, s in scores.items()} == {"player_0": [-1.0], "player_1": [1.0]}
     assert metrics == {"reward/agent/player_0": -1.0, "reward/agent/player_1": 1.0}
 
