@@ -57,6 +57,7 @@ _LAZY = {
     "Exportable": "palestra.types",
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
+    "RunState": "palestra.run_state",
     "Algorithm": "palestra.engine.learner",
     "AlgorithmOptions": "palestra.engine.learner",
     "ReplayOptions": "palestra.engine.learner",

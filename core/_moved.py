@@ -23,7 +23,7 @@ MOVED = {
     "palestra.rollout": "palestra.engine.rollout",
     "palestra.checkpoint": "palestra.engine.checkpoint",
     "palestra.watchdog": "palestra.engine.watchdog",
-    "palestra.rewards": "palestra.engine.checked_reward",
+    "palestra.rewards": "palestra.checked_reward",
     "palestra.distributed": "palestra.scale.distributed",
     "palestra.precision": "palestra.scale.precision",
     "palestra.memory": "palestra.scale.micro_batching",

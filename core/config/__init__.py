@@ -24,7 +24,7 @@ The modules: :mod:`.schema` (the tree and the default run), :mod:`.validation` (
 imported by the commands that train, since it needs torch).
 """
 
-from .building import build_component
+from .building import RunComponents, build_component, build_run
 from .errors import ComponentBuildError, ConfigError, OptionError
 from .loading import _set_path, load_config, parse_override, read_config_file, validate_config
 from .schema import (
@@ -64,7 +64,9 @@ __all__ = [
     "RewardSpec",
     "RunConfig",
     "TrainConfig",
+    "RunComponents",
     "build_component",
+    "build_run",
     "check_options",
     "format_fields",
     "default_registry",

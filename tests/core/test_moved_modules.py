@@ -46,7 +46,7 @@ def test_old_style_imports_of_a_plugin_still_resolve() -> None:
     from palestra.scale.offload import CPUMasterWeights as master
 
     assert Algorithm is palestra.Algorithm and group_size_of is gso and CPUMasterWeights is master
-    assert Layered is layered and CheckedReward.__module__ == "palestra.engine.checked_reward"
+    assert Layered is layered and CheckedReward.__module__ == "palestra.checked_reward"
     assert plan_micro_batches.__module__ == "palestra.scale.micro_batching"
 
 

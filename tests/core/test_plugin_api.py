@@ -69,8 +69,8 @@ def test_a_renamed_hook_keeps_its_old_name_for_one_api_version(in_process, sites
     assert info.error is None and info.hooks == ("on_rollout_end",)
     import palestra_renamed_plugin
 
-    pm.hook.on_rollout_end(trainer=None, step=7, batch=None)
-    assert palestra_renamed_plugin.CALLS == [7]
+    pm.hook.on_rollout_end(run=None, batch="batch 7")
+    assert palestra_renamed_plugin.CALLS == ["batch 7"]
 
 
 def test_without_the_rename_an_old_hook_name_is_the_unknown_hook_error(in_process, sites) -> None:
