@@ -16,7 +16,7 @@ one line saying how much was needed, and the previous file is untouched.
 **Format 3.** A checkpoint is a ``torch.save`` archive of one dict holding only tensors and plain data (dicts,
 lists, tuples, strings, numbers, None), so it loads with ``torch.load(weights_only=True)``: loading one never runs
 code, and a file that holds anything else (a pickled call such as ``os.system``) is refused by name. Besides the
-trainer's state (:meth:`palestra.engine.trainer.Trainer.state_dict`: ``step``, ``policy``, ``optimizer``, ``config``
+run's state (:func:`capture_state`: ``step``, ``policy``, ``optimizer``, ``config``
 as plain data, ...) every checkpoint carries
 
 * ``format``: 3;
