@@ -550,3 +550,82 @@ def test_refill_advances_the_reward_ema_once_per_step_over_every_kept_row(tmp_pa
     assert steps[0]["reward/ema"] == steps[0]["reward/mean"]
     decay = config.train.reward_ema
     assert steps[1]["reward/ema"] == pytest.approx(decay * steps[0]["reward/mean"] + (1 - decay) * steps[1]["reward/mean"])
+
+
+class _LifecycleRecorder:
+    """A plugin on every lifecycle hook, keeping what each was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self.calls.append(("train_start", run, None))
+
+    @hookimpl
+    def on_step_start(self, run: Any) -> None:
+        self.calls.append(("step_start", run, None))
+
+    @hookimpl
+    def on_rollout_end(self, run: Any, batch: Any) -> None:
+        self.calls.append(("rollout_end", run, batch))
+
+    @hookimpl
+    def on_update_end(self, run: Any, batch: Any) -> None:
+        self.calls.append(("update_end", run, batch))
+
+    @hookimpl
+    def on_optimizer_step(self, run: Any) -> None:
+        self.calls.append(("optimizer_step", run, None))
+
+    @hookimpl
+    def on_checkpoint_save(self, run: Any, state: Any) -> None:
+        self.calls.append(("checkpoint_save", run, state["step"]))
+
+    @hookimpl
+    def on_train_end(self, run: Any) -> None:
+        self.calls.append(("train_end", run, None))
+
+
+def test_lifecycle_hooks_see_a_read_only_run_state_and_the_prepared_batch(tmp_path: Path) -> None:
+    import dataclasses
+
+    from palestra import RunState
+    from palestra.plugin_manager import get_plugin_manager
+
+    config = make_config(train={"steps": 2, "batch_size": 2, "eval_size": 2})
+    recorder = _LifecycleRecorder()
+    manager = get_plugin_manager()
+    manager.register(recorder, name="lifecycle_recorder")
+    try:
+        result = Trainer(config, run_dir=tmp_path / "run").train()
+    finally:
+        manager.unregister(recorder)
+    names = [(name, run.step) for name, run, _ in recorder.calls]
+    assert names == [
+        ("train_start", 0),
+        ("step_start", 0), ("rollout_end", 0), ("update_end", 0), ("optimizer_step", 1),
+        ("step_start", 1), ("rollout_end", 1), ("update_end", 1), ("optimizer_step", 2),
+        ("checkpoint_save", 2), ("train_end", 2),
+    ]  # fmt: skip
+    runs = [run for _, run, _ in recorder.calls]
+    assert all(isinstance(r, RunState) and r.config is config and r.run_dir == tmp_path / "run" for r in runs)
+    assert (runs[0].rank, runs[0].world_size, dict(runs[0].metrics)) == (0, 1, {})
+    assert dict(runs[-1].metrics) == result.history[-1] and dict(runs[4].metrics) == result.history[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runs[0].step = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        runs[-1].metrics["reward/mean"] = 1.0  # type: ignore[index]
+    prepared = recorder.calls[3][2]
+    assert prepared.batch_size == 2 * TRAIN["group_size"]
+    assert prepared.advantages.any()  # set by the algorithm's prepare (this seed's first step has a signal)
+    assert "reward/mean" in runs[2].metrics and "loss" in runs[3].metrics
+
+
+def test_rollouts_and_evaluation_take_their_autocast_from_the_context(tmp_path: Path) -> None:
+    trainer = Trainer(make_config(train={"precision": "bf16", "batch_size": 2, "eval_size": 2}), run_dir=tmp_path)
+    with trainer.context.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with Trainer(make_config(train={"batch_size": 2, "eval_size": 2}), run_dir=tmp_path).context.autocast():
+        assert not torch.is_autocast_enabled("cpu")  # fp32: no region
+    assert trainer.sampler.autocast == trainer.context.autocast
