@@ -114,8 +114,9 @@ class Trainer:
         self.watchdog = StepWatchdog(config.train.step_timeout_s)
         # The environments as every step calls them: timed and checked against the protocol (built once).
         self.checked_env, self.checked_eval_env = self.checked(self.env), self.checked(self.eval_env)
+        agent_ids = self.env.agent_ids if config.agents is not None else ()  # credit assignment's, multi-agent only
         self.sampler = Sampler(
-            config, env=self.checked_env, agent_ids=self.env.agent_ids, policy=self.policy, generator=self.generator,
+            config, env=self.checked_env, agent_ids=agent_ids, policy=self.policy, generator=self.generator,
             reward=self.reward, dist=self.dist, watchdog=self.watchdog, autocast=self.context.autocast,
             refill_rounds=self.algorithm.refill_rounds, groups_short=self.algorithm.groups_short,
         )
