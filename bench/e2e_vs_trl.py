@@ -253,7 +253,7 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
         def on_step_end(self, *_: Any, **__: Any) -> None:
             timings["trl"].append(time.perf_counter() - Alternate.mark)
             started = time.perf_counter()
-            metrics = ours.train_step()
+            metrics = ours.step()
             timings["palestra"].append(time.perf_counter() - started)
             lengths["palestra"].append(metrics["response/length"])
             breakdown.append({k: v for k, v in metrics.items() if k.startswith("perf/")})

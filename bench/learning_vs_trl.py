@@ -92,7 +92,7 @@ def run_palestra(args: argparse.Namespace, folder: Path, seed: int, work: Path, 
     ])
     torch.set_num_threads(1)
     trainer = Trainer(config, run_dir=work / "palestra")
-    return [trainer.train_step()["reward/mean"] for _ in range(args.steps)]
+    return [trainer.step()["reward/mean"] for _ in range(args.steps)]
 
 
 # ---- TRL ----------------------------------------------------------------------------------------------

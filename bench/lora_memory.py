@@ -65,7 +65,7 @@ def measure(lora: dict[str, Any] | None, steps: int) -> dict[str, Any]:
     started = time.perf_counter()
     trainer = Trainer(validate_config(config(lora, steps)), run_dir=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-memory")
     for _ in range(steps):
-        trainer.train_step()
+        trainer.step()
     policy, reference = trainer.policy, trainer.reference
     params = storages([*policy.parameters(), *policy.buffers()])
     trainable = [p for p in policy.parameters() if p.requires_grad]

@@ -37,13 +37,13 @@ from palestra import hookimpl, plugin_manager
 
 class Probe:
     @hookimpl
-    def on_train_start(self, trainer, config):
+    def on_train_start(self, run):
         marks.append(("components built", time.time()))
     @hookimpl
-    def on_step_start(self, trainer, step):
+    def on_step_start(self, run):
         marks.append(("held-out evaluation done, step 1 starts", time.time()))
     @hookimpl
-    def on_optimizer_step(self, trainer, step, metrics):
+    def on_optimizer_step(self, run):
         marks.append(("first optimiser step done", time.time()))
         for name, t in marks:
             print(f"STARTUP {t - start:.3f} {name}", file=sys.stderr)

@@ -55,6 +55,7 @@ _LAZY = {
     "FileLogger": "palestra.types",
     "TrainContext": "palestra.context",
     "MissingDependency": "palestra.registry",
+    "RunState": "palestra.run_state",
     "Algorithm": "palestra.engine.learner",
     "AlgorithmOptions": "palestra.engine.learner",
     "ReplayOptions": "palestra.engine.learner",

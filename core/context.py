@@ -2,11 +2,13 @@
 
 A component never has attributes set on it from outside, and nothing probes it for optional ones: whatever it
 needs from the run (where tensors live, how many ranks there are, how gradients are averaged, which precision
-the update runs in, the whole config) arrives here, explicitly, in ``setup(policy, context)``.
+the run computes in) arrives here, explicitly, in ``setup(policy, context)``. The trainer takes the precision of
+its rollouts and evaluations from here too (:meth:`TrainContext.autocast`), so that sampling and the update agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,8 +31,7 @@ class TrainContext:
     """The run as a component sees it.
 
     * ``train``: the ``train`` section (learning rate, micro-batching, clipping, memory savers, ...);
-    * ``config``: the whole validated run config (None when a component is set up outside a run, as in tests);
-    * ``device``: where the policy's parameters live;
+    * ``device``: where the policy's parameters live (None outside a run: :meth:`autocast` is then a no-op);
     * ``distributed``: the :class:`~palestra.scale.distributed.DistributedContext` (rank, world size,
       collectives, FSDP); None in a single process without one;
     * ``precision``: ``fp32``, ``bf16`` or ``fp16`` (``train.precision``);
@@ -39,7 +40,6 @@ class TrainContext:
     """
 
     train: TrainConfig
-    config: Config | None = None
     device: torch.device | None = None
     distributed: DistributedContext | None = None
     precision: str = "fp32"
@@ -50,7 +50,6 @@ class TrainContext:
         """The context of a training run: every field from the config and the process group."""
         return cls(
             train=config.train,
-            config=config,
             device=distributed.device,
             distributed=distributed,
             precision=config.train.precision,
@@ -61,6 +60,19 @@ class TrainContext:
     def local(cls, train: TrainConfig) -> TrainContext:
         """A single-process context from a ``train`` section alone (tests, notebooks, ``palestra doctor``)."""
         return cls(train=train, precision=train.precision)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The autocast region of ``precision`` on ``device`` (a no-op for fp32): sampling and held-out evaluation
+        run in the precision the learner trains in, so the rollout's log-probs match the update's as closely as they
+        can."""
+        import torch
+
+        from palestra.scale.precision import PRECISIONS
+
+        dtype = PRECISIONS[self.precision]
+        if dtype is None or self.device is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     @property
     def is_distributed(self) -> bool:

@@ -10,8 +10,9 @@ any number of components and every registration is attributed to the plugin that
     def register_rewards(register):
         register("keyword", KeywordReward, options=KeywordReward.Options, description="1 if the keyword appears")
 
-Lifecycle hooks are called by the trainer; every implementation runs, in registration order (pluggy's
-LIFO order reversed is not relied upon).
+Lifecycle hooks are called by the trainer with a read-only :class:`~palestra.run_state.RunState` (``run``: the
+step, the latest metrics, the config, the run folder, the rank), never the trainer itself. Every implementation
+runs; pluggy calls them last-registered first, and a plugin should not rely on any order.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+
+    from palestra.run_state import RunState
+    from palestra.types import Experience
 
 PROJECT = "palestra"
 # The version of this contract (the hooks below, the types, the context). A hook renamed or removed, or a type or
@@ -86,35 +90,44 @@ def register_generators(register: RegisterFn) -> None:
 
 # ---- lifecycle --------------------------------------------------------------------------------------
 @hookspec
-def on_train_start(trainer: Any, config: Any) -> None:
-    """Called once, after every component is built and before the first rollout."""
+def on_train_start(run: RunState) -> None:
+    """Called once, after every component is built and before the held-out evaluation and the first rollout."""
 
 
 @hookspec
-def on_train_end(trainer: Any, metrics: Mapping[str, float]) -> None:
-    """Called once when training ends normally, with the last step's metrics."""
+def on_train_end(run: RunState) -> None:
+    """Called once when training ends normally; ``run.metrics`` are the last step's."""
 
 
 @hookspec
-def on_step_start(trainer: Any, step: int) -> None:
-    """Before step ``step`` (0-based) begins its rollout, on every rank."""
+def on_step_start(run: RunState) -> None:
+    """Before step ``run.step`` (0-based) begins its rollout, on every rank."""
 
 
 @hookspec
-def on_rollout_end(trainer: Any, step: int, batch: Any) -> None:
-    """Called after each rollout is generated and scored, before the update. Must not modify ``batch``."""
+def on_rollout_end(run: RunState, batch: Experience) -> None:
+    """After the step's rollouts are generated and scored (refills included), before the update; ``run.metrics`` are
+    the reward's. Must not modify ``batch``."""
 
 
 @hookspec
-def on_optimizer_step(trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-    """Called after each optimiser step with that step's metrics (entropy, KL, grad norm, ...)."""
+def on_update_end(run: RunState, batch: Experience) -> None:
+    """After the algorithm's update, with the batch it trained on: prepared (advantages, reference log-probs).
+    ``run.metrics`` are the step's so far, this rank's own (``train/skipped`` is 1 when no step was taken). Must not
+    modify ``batch``."""
 
 
 @hookspec
-def on_checkpoint_save(trainer: Any, step: int, state: dict[str, Any]) -> None:
-    """Called before a checkpoint is written; a plugin may add its own entries to ``state``."""
+def on_optimizer_step(run: RunState) -> None:
+    """After each optimiser step; ``run.step`` counts it (from 1) and ``run.metrics`` are the step's, averaged over
+    the ranks (entropy, KL, grad norm, ...)."""
 
 
 @hookspec
-def on_checkpoint_load(trainer: Any, step: int, state: Mapping[str, Any]) -> None:
+def on_checkpoint_save(run: RunState, state: dict[str, Any]) -> None:
+    """Called before a checkpoint is written; a plugin may add its own entries (plain data) to ``state``."""
+
+
+@hookspec
+def on_checkpoint_load(run: RunState, state: Mapping[str, Any]) -> None:
     """Called after a checkpoint is read, so a plugin can restore the entries it saved."""

@@ -16,7 +16,7 @@ Environments deal in text. Tokenisation belongs to the policy, but an environmen
 Rewards are separate components that score ``(prompt, completion, metadata)`` rows; ``metadata`` is the
 environment's per-episode dictionary (for example the ground-truth answer), so a reward never needs to
 know which environment produced a row. Every reward a config builds is called through
-:class:`palestra.engine.checked_reward.CheckedReward`, which rejects bad outputs with a one-line error naming the reward.
+:class:`palestra.checked_reward.CheckedReward`, which rejects bad outputs with a one-line error naming the reward.
 
 Only :class:`Experience` and the episode records carry behaviour here; the rest are
 :class:`typing.Protocol` classes that plugins implement (structurally: no base class to inherit).

@@ -271,8 +271,8 @@ def run_e2e(args: argparse.Namespace) -> int:
           f"{args.steps} steps ({torch.get_num_threads()} threads)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="palestra-bench-") as run_dir:
         trainer = Trainer(config, run_dir=run_dir)
-        trainer.train_step()  # the warm-up: lazy kernel builds, first allocations
-        history = [trainer.train_step() for _ in range(args.steps)]
+        trainer.step()  # the warm-up: lazy kernel builds, first allocations
+        history = [trainer.step() for _ in range(args.steps)]
         device = str(trainer.device)
     rows = step_rows(history, t.batch_size * t.group_size)
     print(format_step_table(rows))

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from palestra.config import Config, ConfigError, load_config
+from palestra.hookspecs import hookimpl
+from palestra.plugin_manager import get_plugin_manager
 
 OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 SECTIONS = {
@@ -584,6 +586,27 @@ class GradientRecorder:
         return out
 
 
+class PreparedBatch:
+    """A plugin, registered for the doctor's one step, that keeps the batch the update trained on (advantages and
+    reference log-probs set), to explain zero gradients."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+
+    @hookimpl
+    def on_update_end(self, batch: Any) -> None:
+        self.batch = batch
+
+    @contextmanager
+    def registered(self) -> Iterator[None]:
+        manager = get_plugin_manager()
+        manager.register(self, name="palestra_doctor_prepared_batch")
+        try:
+            yield
+        finally:
+            manager.unregister(self)
+
+
 def check_training(config: Config, threshold: float) -> list[Check]:
     """Build the Trainer exactly as ``palestra train`` does and run one step, recording gradients and utilisation."""
     import torch
@@ -595,26 +618,17 @@ def check_training(config: Config, threshold: float) -> list[Check]:
     build_s = time.perf_counter() - started
     policy = trainer.policy
     recorder = GradientRecorder(policy.named_parameters())
-    prepared: dict[str, Any] = {}
-    algorithm_prepare = trainer.algorithm.prepare
-
-    def prepare(batch: Any) -> Any:  # keep the prepared batch, to explain zero gradients
-        out = algorithm_prepare(batch)
-        prepared["batch"] = out
-        return out
-
-    trainer.algorithm.prepare = prepare
+    prepared = PreparedBatch()
     started = time.perf_counter()
     for _, fn, _ in kernel_cases(trainer.device):  # build the step's kernel back end now, not inside the timed step
         with contextlib.suppress(Exception):  # a broken back end fails in the step itself, with its message
             fn()
     warmup_s = time.perf_counter() - started
     try:
-        with UtilisationSampler().measure() as u, skip_reasons() as reasons:
-            metrics = trainer.train_step()
+        with UtilisationSampler().measure() as u, skip_reasons() as reasons, prepared.registered():
+            metrics = trainer.step()
     finally:
         recorder.remove()
-        trainer.algorithm.prepare = algorithm_prepare
     skipped = metrics.get("train/skipped", 0.0) > 0
     cause = skip_cause(reasons)
     checks.append(
@@ -661,7 +675,7 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             )
         )
     if groups and len(flat_zero) == len(groups):
-        checks.append(Check("training", "gradient flow", FAILED, zero_gradient_hint(prepared.get("batch"), torch)))
+        checks.append(Check("training", "gradient flow", FAILED, zero_gradient_hint(prepared.batch, torch)))
     return checks
 
 

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         main = trainer.dist.is_main
         if main:
             if point is not None:
-                print(f"resuming {resume} from {point.path} at step {trainer.step} of {config.train.steps}")
+                print(f"resuming {resume} from {point.path} at step {trainer.step_index} of {config.train.steps}")
             for line in summary(config):
                 print(line)
             if trainer.dist.enabled:
@@ -201,14 +201,14 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
     config = trainer.config
     out = export_path(config, run_dir)
     provenance = {"run_dir": str(run_dir.resolve()), "checkpoint": str((run_dir / FINAL_NAME).resolve()),
-                  "step": trainer.step, "run_id": trainer.run_id}
+                  "step": trainer.step_index, "run_id": trainer.run_id}
     try:
         write_export(trainer.policy, out, policy_name=config.policy.name, merge_lora=config.train.export_merge_lora,
                      provenance=provenance, replace=is_export_of(out, trainer.run_id))
     except OSError as e:  # a full disk, say: the run itself is saved, so say how to export it again
         raise ExportError(f"train.export: writing {out} failed ({e}); the trained run is saved in {run_dir}: "
                           f"palestra export {run_dir} --out DIR writes it") from None
-    return describe_export(out, run=f"{run_dir} step {trainer.step}")
+    return describe_export(out, run=f"{run_dir} step {trainer.step_index}")
 
 
 def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tuple[Trainer, ResumePoint | None]:

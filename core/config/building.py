@@ -1,15 +1,30 @@
-"""Building a component from its validated config node through the plugin registry."""
+"""Building the run: each component from its validated config node through the plugin registry
+(:func:`build_component`), and every component of a training run together (:func:`build_run`).
+
+``config`` builds and ``engine`` runs: nothing here imports the engine, and the trainer receives what
+:func:`build_run` made.
+"""
 
 from __future__ import annotations
 
+import copy
+import random
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from palestra.checked_reward import CheckedReward
 from palestra.registry import Registry
 
-from .errors import ComponentBuildError, ConfigError
+from palestra.errors import ComponentBuildError, ConfigError
 from .schema import ComponentSpec, SPEC_TYPES
 from .validation import _ACTIVE_REGISTRY, _convert, _init_fields, _lookup, default_registry, to_plain
+
+if TYPE_CHECKING:
+    from palestra.context import TrainContext
+    from palestra.scale.distributed import DistributedContext
+
+    from .schema import Config
 
 
 def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path: str, registry: Registry | None = None) -> Any:
@@ -17,7 +32,7 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
 
     ``spec`` is a validated :class:`ComponentSpec` (from :func:`load_config`) or plain ``{name, options}``
     data (validated here, errors naming ``path``). Rewards come back wrapped in
-    :class:`palestra.engine.checked_reward.CheckedReward`, so every call's output is checked. Components nested in the
+    :class:`palestra.checked_reward.CheckedReward`, so every call's output is checked. Components nested in the
     options (a combinator's terms) are built through the same registry.
     """
     if kind not in SPEC_TYPES:
@@ -40,9 +55,74 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
             raise ComponentBuildError(f"{path}: building {kind} {spec.name!r} ({who}) failed: {type(e).__name__}: {e}") from e
     finally:
         _ACTIVE_REGISTRY.reset(token)
-    if kind == "reward":
-        from palestra.engine.checked_reward import CheckedReward
-
-        if not isinstance(component, CheckedReward):
-            component = CheckedReward(component, name=spec.name, path=path)
+    if kind == "reward" and not isinstance(component, CheckedReward):
+        component = CheckedReward(component, name=spec.name, path=path)
     return component
+
+
+@dataclass(frozen=True)
+class RunComponents:
+    """Every component of a training run, built and set up (:func:`build_run`); the trainer runs them.
+
+    ``eval_env`` is the environment of held-out evaluation; ``reference`` the frozen policy of a KL term (None when
+    the algorithm has none); ``loggers`` is empty on every rank but 0; ``context`` what the algorithm was set up with.
+    """
+
+    config: Config
+    dist: DistributedContext
+    env: Any
+    eval_env: Any
+    reward: CheckedReward
+    loggers: list[Any]
+    generator: Any
+    algorithm: Any
+    policy: Any
+    reference: Any
+    context: TrainContext
+
+
+def build_run(config: Config, dist: DistributedContext) -> RunComponents:
+    """Build and set up every component of a run of ``config`` on the ranks of ``dist``.
+
+    Seeds Python's and torch's generators with ``run.seed`` first: the policy's initial weights (the same on every
+    rank, broadcast besides) come from it. The cheap components come first, so that a bad environment or reward
+    stops the run before a model is loaded.
+    """
+    import torch
+
+    from palestra.context import TrainContext
+    from palestra.kernels import set_backend
+    from palestra.multiagent.sharing import wrap_policy
+    from palestra.types import AdapterPolicy, HeldOutSplit
+
+    random.seed(config.run.seed)
+    torch.manual_seed(config.run.seed)
+    set_backend(config.kernels.backend)
+    env = build_component("environment", config.environment, path="environment")
+    # A data set's own held-out split when it keeps one; else a second instance (evaluated on held-out seeds).
+    eval_env = (env.held_out() if isinstance(env, HeldOutSplit)
+                else build_component("environment", config.environment, path="environment"))
+    reward = build_component("reward", config.reward, path="reward")
+    # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
+    specs = config.loggers if dist.is_main else []
+    loggers = [build_component("logger", spec, path=f"loggers[{i}]") for i, spec in enumerate(specs)]
+    generator = build_component("generator", config.generator, path="generator")
+    algorithm = build_component("optimizer", config.optimizer, path="optimizer")
+    policy = build_component("policy", config.policy, path="policy")
+    policy.to(device=dist.device, dtype=getattr(torch, config.train.dtype))
+    dist.broadcast_module(policy)  # identical starting weights, however the policy was made
+    # per-agent views sharing agents.shared_layers; unchanged when config.agents is None
+    policy = wrap_policy(policy, config.agents, env, algorithm)
+    if isinstance(policy, AdapterPolicy) and dist.fsdp:
+        raise ConfigError("distributed.strategy: fsdp is not supported for a policy that trains adapters (LoRA, "
+                          f"policy {config.policy.name!r}); use ddp: only the adapters' gradients are averaged")
+    reference = None
+    if algorithm.needs_reference:
+        # LoRA: the frozen base (the policy with its adapters disabled) is the reference; no second copy
+        reference = (policy.base_reference() if isinstance(policy, AdapterPolicy)
+                     else copy.deepcopy(policy).eval().requires_grad_(False))
+    dist.shard(policy)  # FSDP2 (distributed.strategy=fsdp); a no-op otherwise
+    # Everything the algorithm needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
+    context = TrainContext.for_run(config, dist)
+    algorithm.setup(policy, context, reference=reference)
+    return RunComponents(config, dist, env, eval_env, reward, loggers, generator, algorithm, policy, reference, context)

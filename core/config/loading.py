@@ -14,7 +14,7 @@ import yaml
 
 from palestra.registry import Registry
 
-from .errors import ConfigError
+from palestra.errors import ConfigError
 from .schema import Config
 from .validation import _ACTIVE_REGISTRY, _convert, _join, _kind_of, _Override, default_registry, to_plain
 

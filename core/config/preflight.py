@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from palestra.errors import ConfigError
 from .schema import Config, TrainConfig
 
 __all__ = ["preflight", "resolve_device", "rollout_bytes_floor"]

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from palestra.registry import KINDS, Registry
 
-from .errors import OptionError
+from palestra.errors import OptionError
 
 
 # ---- declaring options -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 from palestra.registry import Registration, Registry, RegistryError
 
-from .errors import ConfigError, OptionError
+from palestra.errors import ConfigError, OptionError
 from .schema import ComponentSpec
 
 # ---- the registry used for validation and building ---------------------------------------------------

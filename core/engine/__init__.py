@@ -1,1 +1,1 @@
-"""The training engine: the loop (trainer), rollouts, the one learner loop, checkpoints, the watchdog, checked rewards."""
+"""The training engine: the loop (trainer), sampling and rollouts, the one learner loop, checkpoints, the watchdog."""

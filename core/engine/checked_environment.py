@@ -1,7 +1,7 @@
 """Calling environments safely.
 
 :class:`CheckedEnvironment` wraps the environment the trainer plays (the counterpart of
-:class:`~palestra.engine.checked_reward.CheckedReward`): ``reset`` and ``step`` run under ``train.data_timeout_s``
+:class:`~palestra.checked_reward.CheckedReward`): ``reset`` and ``step`` run under ``train.data_timeout_s``
 and the step watchdog's "data" phase, and what they return is checked against the environment protocol
 (:class:`palestra.types.Environment`). A break is one :class:`EnvironmentProtocolError` line naming the environment
 by its registered name (``environment 'arithmetic'``) and the rule it broke. The checks are plain functions of

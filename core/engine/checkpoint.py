@@ -16,7 +16,7 @@ one line saying how much was needed, and the previous file is untouched.
 **Format 3.** A checkpoint is a ``torch.save`` archive of one dict holding only tensors and plain data (dicts,
 lists, tuples, strings, numbers, None), so it loads with ``torch.load(weights_only=True)``: loading one never runs
 code, and a file that holds anything else (a pickled call such as ``os.system``) is refused by name. Besides the
-trainer's state (:meth:`palestra.engine.trainer.Trainer.state_dict`: ``step``, ``policy``, ``optimizer``, ``config``
+run's state (:func:`capture_state`: ``step``, ``policy``, ``optimizer``, ``config``
 as plain data, ...) every checkpoint carries
 
 * ``format``: 3;
@@ -54,11 +54,14 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from palestra.types import FileLogger
+from palestra.types import AdapterPolicy, FileLogger, Stateful
+
+if TYPE_CHECKING:
+    from palestra.config import RunComponents
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -68,9 +71,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "DiskFull",
+    "Restored",
     "ResumePoint",
     "RunDirError",
     "capture_rng",
+    "capture_state",
     "check_new_run_dir",
     "clear_run_dir",
     "content_digest",
@@ -79,6 +84,7 @@ __all__ = [
     "load_checkpoint",
     "restore_logs",
     "restore_rng",
+    "restore_state",
     "resume_point",
     "save_checkpoint",
     "save_step_checkpoint",
@@ -643,3 +649,131 @@ def _line_end_at_or_before(f: Any, limit: int, chunk: int = 1 << 16) -> int:
             return start + i + 1
         pos = start
     return 0
+
+
+# ---- a run's state -------------------------------------------------------------------------------------------------
+def capture_state(
+    run: RunComponents, *, step: int, run_id: str, reward_ema: float | None, bad_steps: int,
+    before: Mapping[str, Any] | None, run_dir: Path,
+) -> dict[str, Any]:
+    """Everything a run needs to continue bitwise: weights, optimiser (+ scaler, replay buffer, running reward
+    statistics), every rank's RNG states, step, reward curriculum, reward EMA, environment state (when it has
+    one), the held-out reward before training, and the logged files' sizes.
+
+    Collective under torchrun (every rank must call it: RNG states are gathered, FSDP gathers full tensors);
+    the complete state is meaningful on rank 0.
+    """
+    dist = run.dist
+    algorithm = run.algorithm.state_dict()  # collective under FSDP: the full optimiser states
+    adapters = isinstance(run.policy, AdapterPolicy)
+    if adapters:  # LoRA: the trainable tensors only; resume rebuilds the frozen base from its model files
+        policy = run.policy.adapter_state_dict()
+    elif dist.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        policy = get_model_state_dict(run.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        policy = run.policy.state_dict()
+    return {
+        "format": FORMAT,
+        "run_id": run_id,
+        "step": step,
+        "policy": policy,
+        "policy_adapters": adapters,  # "policy" holds only the adapters (and value head) of a LoRA policy
+        "optimizer": algorithm,
+        "reward": run.reward.state_dict(),
+        "reward_ema": reward_ema,
+        "bad_steps": bad_steps,
+        "before": dict(before) if before is not None else None,
+        "env": run.env.state_dict() if isinstance(run.env, Stateful) else None,
+        "rng": dist.all_gather_object(capture_rng()),
+        "world_size": dist.world_size,
+        "logs": log_sizes(run.loggers, run_dir),
+        "config": run.config.to_dict(),
+    }
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The loop's own part of a restored checkpoint (the components restore theirs in :func:`restore_state`)."""
+
+    step: int
+    run_id: str | None  # None in a checkpoint that predates run ids
+    reward_ema: float | None
+    bad_steps: int
+    before: dict[str, Any] | None  # the held-out reward before training, as EvalResult.to_dict() wrote it
+    log_sizes: dict[str, int]
+
+
+def restore_state(run: RunComponents, state: Mapping[str, Any], *, source: str | Path = "(state)") -> Restored:
+    """Restore the components from ``state`` (:func:`capture_state`'s, loaded with :func:`load_checkpoint` from
+    ``source``): weights, optimiser, reward, environment, this rank's RNG streams. Returns the loop's part."""
+    _check_policy_kind(run, bool(state.get("policy_adapters", False)), source)
+    try:
+        _load_policy(run, state["policy"])
+    except (RuntimeError, KeyError, ValueError) as e:  # torch reports a mismatch as a page of size mismatches
+        mismatch = policy_mismatch(run, state["policy"], source)
+        if mismatch is None:  # the names and shapes agree: not the user's checkpoint, a fault to show in full
+            raise
+        raise CheckpointError(mismatch) from e
+    run.algorithm.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
+    run.reward.load_state_dict(state["reward"])
+    if state.get("env") is not None and isinstance(run.env, Stateful):
+        run.env.load_state_dict(state["env"])
+    dist = run.dist
+    rng = state.get("rng") or []
+    if len(rng) == dist.world_size:  # another world size: RNG streams cannot match anyway
+        restore_rng(rng[dist.rank])
+    elif dist.is_main:
+        warnings.warn(f"checkpoint {source}: saved by {len(rng)} rank(s), resumed on {dist.world_size}; "
+                      "random states start fresh", stacklevel=3)
+    run_id = state.get("run_id")
+    return Restored(
+        step=int(state["step"]),
+        run_id=run_id if isinstance(run_id, str) else None,
+        reward_ema=state["reward_ema"],
+        bad_steps=int(state.get("bad_steps", 0)),
+        before=state.get("before"),
+        log_sizes=dict(state.get("logs") or {}),
+    )
+
+
+def _check_policy_kind(run: RunComponents, saved_adapters: bool, source: str | Path) -> None:
+    """One line when the checkpoint holds adapters only and the policy trains every weight, or the other way."""
+    live_adapters = isinstance(run.policy, AdapterPolicy)
+    if saved_adapters != live_adapters:
+        saved, live = ("only LoRA adapters", "trains every weight") if saved_adapters else ("every weight", "trains LoRA adapters")
+        raise CheckpointError(f"checkpoint {source} holds {saved} but the policy built from its config "
+                              f"(policy {run.config.policy.name!r}, policy.options.lora) {live}")
+
+
+def _load_policy(run: RunComponents, weights: Mapping[str, Any]) -> None:
+    if isinstance(run.policy, AdapterPolicy):  # the frozen base was loaded from its files when the policy was built
+        run.policy.load_adapter_state_dict(weights)
+    elif run.dist.fsdp:
+        from palestra.scale.distributed import load_full_state_dict
+
+        load_full_state_dict(run.policy, weights)
+    else:
+        run.policy.load_state_dict(weights)
+
+
+def policy_mismatch(run: RunComponents, saved: Mapping[str, Any], source: str | Path) -> str | None:
+    """One line naming the first parameter whose name or shape differs between the checkpoint and the policy its
+    config built; None when they agree."""
+    where = (f"checkpoint {source} does not fit the policy built from its config (policy {run.config.policy.name!r}, "
+             "policy.options)")
+    # FSDP: DTensors, whose shapes are the full ones; LoRA: the adapters, all a checkpoint holds
+    live = run.policy.adapter_state_dict() if isinstance(run.policy, AdapterPolicy) else run.policy.state_dict()
+    for name, value in live.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if name not in saved:
+            return f"{where}: parameter {name!r} {list(value.shape)} is not in the checkpoint"
+        stored = saved[name]
+        if isinstance(stored, torch.Tensor) and stored.shape != value.shape:
+            return f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint and {list(value.shape)} in the policy"
+    extra = next((k for k in saved if k not in live), None)
+    if extra is not None:
+        return f"{where}: the checkpoint has parameter {extra!r}, which the policy does not"
+    return None

@@ -207,7 +207,7 @@ class CausalLMPolicy(torch.nn.Module):
         Policies that can override this; the base refuses to turn it on with a one-line error.
         """
         if on:
-            from palestra.config import ConfigError
+            from palestra.errors import ConfigError
 
             raise ConfigError(
                 f"train.gradient_checkpointing: the policy {type(self).__name__} does not support gradient "

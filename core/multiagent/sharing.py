@@ -25,13 +25,16 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from palestra.config import AgentsConfig, ConfigError
+from palestra.errors import ConfigError
 from palestra.models.policy import CausalLMPolicy, TokenScores
 from palestra.types import AgentId, GradientCheckpointing, Observation
+
+if TYPE_CHECKING:
+    from palestra.config import AgentsConfig
 
 __all__ = ["MultiAgentPolicy", "check_sharing", "wrap_policy"]
 

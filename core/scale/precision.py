@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from palestra.config import ConfigError
+from palestra.errors import ConfigError
 
 __all__ = ["PRECISIONS", "Precision"]
 

@@ -27,7 +27,7 @@ def subject(kind: str, component: str | Callable[..., Any], options: Mapping[str
     """A :class:`Subject` for a registered ``component`` name (built through the registry, options validated as a
     config would be) or for a factory called with ``options`` as keyword arguments.
 
-    Rewards are checked as the plugin wrote them: the :class:`~palestra.engine.checked_reward.CheckedReward` the
+    Rewards are checked as the plugin wrote them: the :class:`~palestra.checked_reward.CheckedReward` the
     registry wraps them in is taken off, since it would hide the very mistakes the kit looks for (it converts a
     list to a tensor, for one).
     """
@@ -49,6 +49,6 @@ def subject(kind: str, component: str | Callable[..., Any], options: Mapping[str
 
 
 def _unwrapped(component: Any) -> Any:
-    from palestra.engine.checked_reward import CheckedReward
+    from palestra.checked_reward import CheckedReward
 
     return component.reward if isinstance(component, CheckedReward) else component

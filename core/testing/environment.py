@@ -169,7 +169,7 @@ def _check_step(env: Any, c: Contract, before: list[Observation | None], result:
 # ---- metadata, batch sizes, state -------------------------------------------------------------------------
 def _check_metadata(env: Any, c: Contract, batch_size: int, group_size: int, seed: int, respond: Respond,
                     reward: Any, reward_options: Mapping[str, Any] | None) -> None:
-    from palestra.engine.checked_reward import CheckedReward
+    from palestra.checked_reward import CheckedReward
     from palestra.engine.rollout import reward_rows, run_episodes
 
     with c.calling("step", "step runs"):

@@ -4,7 +4,7 @@ The trainer calls ``reward(prompts, completions, metadata)`` on every episode's 
 the environment's; it wants a float tensor ``[B]`` of finite scores (or a ``RewardOutput`` holding one), checkpoints
 the reward's state when it has one, and scores held-out rows on a copy (or through ``evaluate``).
 
-The kit is stricter than the trainer's own guard (:class:`~palestra.engine.checked_reward.CheckedReward`), which
+The kit is stricter than the trainer's own guard (:class:`~palestra.checked_reward.CheckedReward`), which
 converts a list to a tensor on the fly: a plugin's tests are the place to return the real thing.
 """
 

@@ -6,7 +6,7 @@
   Unlocking is permanent, and its state (moving averages, unlocked layers) is checkpointable.
 
 Their options hold nested reward nodes, built through the registry and called through
-:class:`palestra.engine.checked_reward.CheckedReward`.
+:class:`palestra.checked_reward.CheckedReward`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, RewardSpec, check_options, option
-from palestra.engine.checked_reward import RewardError, _evaluate, max_score
+from palestra.checked_reward import RewardError, _evaluate, max_score
 from palestra.types import RewardOutput
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.arithmetic import ArithmeticEnv, evaluate
 from palestra.plugins.envs.relay import ATTRIBUTES, ROLES, RelayEnv
 from palestra.plugins.rewards.basic import extract_tag, parse_number
-from palestra.engine.checked_reward import RewardError
+from palestra.checked_reward import RewardError
 from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.types import Environment, Observation
 

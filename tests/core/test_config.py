@@ -24,7 +24,7 @@ from palestra.config import (
 )
 from palestra.plugin_manager import get_registry
 from palestra.registry import Registration, Registry
-from palestra.engine.checked_reward import CheckedReward
+from palestra.checked_reward import CheckedReward
 from palestra.plugins.rewards.combinators import Layer, Layered
 
 YAML_CONFIG = """

@@ -145,7 +145,7 @@ def test_the_built_in_optimisers_train_each_agents_own_layers(tmp_path) -> None:
                                    "agents.update_frequency=1"])  # grpo steps every parameter every update
     trainer = Trainer(config, run_dir=tmp_path)
     heads = {a: [p.detach().clone() for p in trainer.policy.for_agent(a).output_head().parameters()] for a in AGENTS}
-    trainer.train_step()
+    trainer.step()
     for a in AGENTS:
         after = list(trainer.policy.for_agent(a).output_head().parameters())
         assert any(not torch.equal(x, y) for x, y in zip(heads[a], after)), a
@@ -347,5 +347,5 @@ def test_a_stateful_reward_is_called_once_per_step_whatever_the_credit(tmp_path,
                                    "loggers=[]", "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"])
     trainer = Trainer(config, run_dir=tmp_path)
     for _ in range(2):
-        trainer.train_step()
+        trainer.step()
     assert trainer.reward.reward.calls == calls

@@ -234,7 +234,7 @@ def test_trace_plugins_writes_loads_and_hook_calls_to_stderr(in_process, sites, 
     in_process.use(sites["example"], PALESTRA_TRACE_PLUGINS="1")
     plugin_manager.get_registry()
     pm = plugin_manager.get_plugin_manager()
-    pm.hook.on_train_end(trainer=None, metrics={"reward": 0.5})
+    pm.hook.on_train_end(run=None)
     out, err = capsys.readouterr()
     assert out == ""
     assert "loaded third-party plugin 'example' from palestra-example-plugin 0.1.0" in err
@@ -246,7 +246,7 @@ def test_trace_plugins_writes_loads_and_hook_calls_to_stderr(in_process, sites, 
 def test_tracing_is_off_by_default(in_process, capsys) -> None:
     in_process.use()
     plugin_manager.get_registry()
-    plugin_manager.get_plugin_manager().hook.on_train_end(trainer=None, metrics={})
+    plugin_manager.get_plugin_manager().hook.on_train_end(run=None)
     assert capsys.readouterr().err == ""
 
 

@@ -5,6 +5,7 @@ replaces a good checkpoint; a non-finite reward skips the step and K in a row ab
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,8 +20,9 @@ import pytest
 import torch
 import yaml
 from palestra.engine import checkpoint as ckpt
-from palestra.config import ConfigError, validate_config
-from palestra.engine.checked_reward import CheckedReward
+from palestra.config import ConfigError, build_run, validate_config
+from palestra.checked_reward import CheckedReward
+from palestra.scale.distributed import DistributedContext
 from palestra.engine.trainer import Trainer, TrainingAborted
 
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
@@ -167,15 +169,17 @@ def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path)
 def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(tmp_path: Path) -> None:
     raw = raw_config(tmp_path)
     raw["train"].update(max_bad_steps=2, save_every=0)
-    trainer = Trainer(validate_config(raw), run_dir=tmp_path / "run")
+    config = validate_config(raw)
+    built = build_run(config, DistributedContext.from_config(config, config.train.device))
+    nan = CheckedReward(lambda p, c, m: [float("nan")] * len(c), name="nan_reward")
+    trainer = Trainer(config, run_dir=tmp_path / "run", components=dataclasses.replace(built, reward=nan))
     weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    trainer.reward = CheckedReward(lambda p, c, m: [float("nan")] * len(c), name="nan_reward")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metrics = trainer.train_step()
-    assert metrics["train/skipped"] == 1.0 and trainer.step == 1 and trainer.bad_steps == 1
+        metrics = trainer.step()
+    assert metrics["train/skipped"] == 1.0 and trainer.step_index == 1 and trainer.bad_steps == 1
     assert any("step 1 skipped: the reward is not finite" in str(w.message) for w in caught)
     assert all(torch.equal(v, weights[k]) for k, v in trainer.policy.state_dict().items())  # no update
     with pytest.raises(TrainingAborted, match=r"^train\.max_bad_steps: 2 steps in a row were skipped"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train_step()
+        trainer.step()

@@ -14,7 +14,7 @@ import torch
 from palestra.config import build_component, load_config
 from palestra.plugin_manager import get_registry
 from palestra.registry import Registration, Registry
-from palestra.engine.checked_reward import CheckedReward, RewardError
+from palestra.checked_reward import CheckedReward, RewardError
 from palestra.plugins.rewards.combinators import Layered, WeightedSum
 from palestra.types import RewardOutput
 

@@ -5,6 +5,7 @@ No timing thresholds: the parts must be there, be non-negative, and add up to th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -14,8 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from palestra.cli import main
-from palestra.config import validate_config
+from palestra.checked_reward import CheckedReward
+from palestra.config import build_run, validate_config
 from palestra.engine.trainer import NonFiniteStepWarning, Trainer
+from palestra.scale.distributed import DistributedContext
 
 PARTS = ("perf/generate_s", "perf/reward_s", "perf/score_s", "perf/update_s", "perf/overhead_s")
 
@@ -43,18 +46,20 @@ def check_breakdown(metrics: dict[str, float]) -> None:
 def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Path) -> None:
     trainer = Trainer(validate_config(raw_config(tmp_path)), run_dir=tmp_path / "run")
     for _ in range(2):
-        metrics = trainer.train_step()
+        metrics = trainer.step()
         check_breakdown(metrics)
         # the phases that ran took time; the reference scoring ran because beta > 0
         assert metrics["perf/generate_s"] > 0 and metrics["perf/update_s"] > 0 and metrics["perf/score_s"] > 0
 
 
 def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Path) -> None:
-    trainer = Trainer(validate_config(raw_config(tmp_path)), run_dir=tmp_path / "run")
-    trainer.reward_ema = math.inf  # the batch's reward/ema goes non-finite: the step is skipped after the rollout
+    config = validate_config(raw_config(tmp_path))
+    built = build_run(config, DistributedContext.from_config(config, config.train.device))
+    nan = CheckedReward(lambda p, c, m: [math.nan] * len(c), name="nan_reward")  # skipped after the rollout
+    trainer = Trainer(config, run_dir=tmp_path / "run", components=dataclasses.replace(built, reward=nan))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NonFiniteStepWarning)
-        metrics = trainer.train_step()
+        metrics = trainer.step()
     assert metrics["train/skipped"] == 1.0
     check_breakdown(metrics)
     assert metrics["perf/score_s"] == 0 and metrics["perf/update_s"] == 0

@@ -19,6 +19,7 @@ from typing import Any
 import plugin_installs
 import pytest
 import torch
+from palestra import hookimpl
 from palestra.config import ComponentBuildError, Config, to_plain, validate_config
 from palestra.plugins.envs.relay import ROLES
 from palestra.engine.rollout import Rollout, collect
@@ -88,7 +89,7 @@ def mean(values: list[float]) -> float:
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_every_algorithm_raises_the_reward_on_a_tiny_task(algorithm: str, tmp_path: Path) -> None:
     trainer = Trainer(make_config(algorithm=algorithm), run_dir=tmp_path)
-    rewards = [trainer.train_step()["reward/mean"] for _ in range(TRAIN["steps"])]
+    rewards = [trainer.step()["reward/mean"] for _ in range(TRAIN["steps"])]
     first, last = mean(rewards[:5]), mean(rewards[-5:])
     assert first <= 0.15, f"{algorithm}: the untrained policy already scores {first:.2f}: {rewards}"
     assert last >= 0.5, f"{algorithm}: reward only reached {last:.2f} (from {first:.2f}): {rewards}"
@@ -305,8 +306,8 @@ PLUGIN_SOURCE = textwrap.dedent(
 
 
     @hookimpl
-    def on_checkpoint_save(trainer, step, state):
-        if trainer.config.run.name == "unpicklable":
+    def on_checkpoint_save(run, state):
+        if run.config.run.name == "unpicklable":
             state["unpicklable"] = lambda: None  # a plugin adding state that cannot be saved
     '''
 )
@@ -359,8 +360,8 @@ def test_evaluate_is_greedy_on_held_out_tasks_and_leaves_the_reward_alone(test_p
     first = trainer.evaluate()
     torch.manual_seed(123)  # sampling would use the global generator: greedy decoding must not
     second = trainer.evaluate()
-    trainer.train_step()
-    trainer.train_step()
+    trainer.step()
+    trainer.step()
     assert first == second and first.tasks == 6
 
     evals = [r for r in test_plugin.RESETS if r[0] == eval_env]
@@ -399,10 +400,10 @@ def test_evaluate_counts_every_layer_of_a_layered_reward_even_a_locked_one(tmp_p
     assert trainer.reward.state_dict()["unlocked"] == [True, False]
 
     # Training, meanwhile, only counts the unlocked layer.
-    _, _, metrics = trainer.rollout(0)
-    assert "reward/always" not in metrics
-    assert metrics["reward/mean"] == pytest.approx(metrics["reward/format"])
-    assert metrics["reward/max"] == 2.0
+    sampled = trainer.sampler.sample(0)
+    assert "reward/always" not in sampled.metrics
+    assert sampled.mean_reward == pytest.approx(sampled.metrics["reward/format"])
+    assert sampled.metrics["reward/max"] == 2.0
 
 
 def test_evaluate_reports_the_default_layered_rewards_maximum_and_every_component(tmp_path: Path) -> None:
@@ -462,7 +463,7 @@ def test_a_tiny_huggingface_model_trains_through_the_trainer(qwen2_dir: Path, tm
     trainer = Trainer(config, run_dir=tmp_path)
     assert type(trainer.policy).__name__ == "HFPolicy"
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
-    history = [trainer.train_step() for _ in range(3)]
+    history = [trainer.step() for _ in range(3)]
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values()), metrics
         assert metrics["response/length"] > 0
@@ -501,3 +502,130 @@ def test_a_checkpoint_that_fails_to_save_leaves_the_previous_one_and_no_temporar
         trainer.save()
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint.pt"]
     assert (run_dir / "checkpoint.pt").read_text() == "the previous checkpoint"
+
+
+class _RolloutRecorder:
+    """A plugin that keeps each step's batch as the update receives it (after any refill)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    @hookimpl
+    def on_rollout_end(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+
+def test_refill_advances_the_reward_ema_once_per_step_over_every_kept_row(tmp_path: Path) -> None:
+    """Issue 22, bug 2: DAPO's refill rounds each advanced the reward EMA, so the log showed the first round's value
+    and the checkpoint the last's, and ``reward/mean`` covered the first round's rows only. One update per step now,
+    over every row the step kept: the log and the checkpoint agree."""
+    from palestra.config import load_config
+    from palestra.engine.checkpoint import load_checkpoint
+    from palestra.plugin_manager import get_plugin_manager
+
+    repo = Path(__file__).resolve().parents[2]
+    config = load_config(repo / "examples" / "dapo.yaml", [
+        "optimizer.options.dynamic_sampling=true", "optimizer.options.refill_rounds=3", "train.batch_size=4",
+        "train.group_size=4", "train.steps=2", "train.save_every=1", "train.eval_size=4", f"run.output_dir={tmp_path}",
+        "loggers=[{name: jsonl}]",
+    ])  # fmt: skip
+    recorder = _RolloutRecorder()
+    manager = get_plugin_manager()
+    manager.register(recorder, name="rollout_recorder")
+    try:
+        Trainer(config, run_dir=tmp_path / "run").train()
+    finally:
+        manager.unregister(recorder)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "reward/ema" in m]
+    assert [m["rollout/refill_rounds"] for m in steps] == [3.0, 3.0]  # every round drawn: the case the bug needs
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001.pt")
+    assert steps[0]["reward/ema"] == saved["reward_ema"]
+    final = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert steps[1]["reward/ema"] == final["reward_ema"]
+    for metrics, batch in zip(steps, recorder.batches):
+        assert batch.batch_size == 4 * 4 * 4  # the first rollout and three refills
+        assert metrics["reward/mean"] == pytest.approx(float(batch.rewards.double().mean()), rel=1e-12, abs=1e-12)
+    # one update per step: the first step's EMA is its mean, the second moves once from it
+    assert steps[0]["reward/ema"] == steps[0]["reward/mean"]
+    decay = config.train.reward_ema
+    assert steps[1]["reward/ema"] == pytest.approx(decay * steps[0]["reward/mean"] + (1 - decay) * steps[1]["reward/mean"])
+
+
+class _LifecycleRecorder:
+    """A plugin on every lifecycle hook, keeping what each was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self.calls.append(("train_start", run, None))
+
+    @hookimpl
+    def on_step_start(self, run: Any) -> None:
+        self.calls.append(("step_start", run, None))
+
+    @hookimpl
+    def on_rollout_end(self, run: Any, batch: Any) -> None:
+        self.calls.append(("rollout_end", run, batch))
+
+    @hookimpl
+    def on_update_end(self, run: Any, batch: Any) -> None:
+        self.calls.append(("update_end", run, batch))
+
+    @hookimpl
+    def on_optimizer_step(self, run: Any) -> None:
+        self.calls.append(("optimizer_step", run, None))
+
+    @hookimpl
+    def on_checkpoint_save(self, run: Any, state: Any) -> None:
+        self.calls.append(("checkpoint_save", run, state["step"]))
+
+    @hookimpl
+    def on_train_end(self, run: Any) -> None:
+        self.calls.append(("train_end", run, None))
+
+
+def test_lifecycle_hooks_see_a_read_only_run_state_and_the_prepared_batch(tmp_path: Path) -> None:
+    import dataclasses
+
+    from palestra import RunState
+    from palestra.plugin_manager import get_plugin_manager
+
+    config = make_config(train={"steps": 2, "batch_size": 2, "eval_size": 2})
+    recorder = _LifecycleRecorder()
+    manager = get_plugin_manager()
+    manager.register(recorder, name="lifecycle_recorder")
+    try:
+        result = Trainer(config, run_dir=tmp_path / "run").train()
+    finally:
+        manager.unregister(recorder)
+    names = [(name, run.step) for name, run, _ in recorder.calls]
+    assert names == [
+        ("train_start", 0),
+        ("step_start", 0), ("rollout_end", 0), ("update_end", 0), ("optimizer_step", 1),
+        ("step_start", 1), ("rollout_end", 1), ("update_end", 1), ("optimizer_step", 2),
+        ("checkpoint_save", 2), ("train_end", 2),
+    ]  # fmt: skip
+    runs = [run for _, run, _ in recorder.calls]
+    assert all(isinstance(r, RunState) and r.config is config and r.run_dir == tmp_path / "run" for r in runs)
+    assert (runs[0].rank, runs[0].world_size, dict(runs[0].metrics)) == (0, 1, {})
+    assert dict(runs[-1].metrics) == result.history[-1] and dict(runs[4].metrics) == result.history[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runs[0].step = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        runs[-1].metrics["reward/mean"] = 1.0  # type: ignore[index]
+    prepared = recorder.calls[3][2]
+    assert prepared.batch_size == 2 * TRAIN["group_size"]
+    assert prepared.advantages.any()  # set by the algorithm's prepare (this seed's first step has a signal)
+    assert "reward/mean" in runs[2].metrics and "loss" in runs[3].metrics
+
+
+def test_rollouts_and_evaluation_take_their_autocast_from_the_context(tmp_path: Path) -> None:
+    trainer = Trainer(make_config(train={"precision": "bf16", "batch_size": 2, "eval_size": 2}), run_dir=tmp_path)
+    with trainer.context.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with Trainer(make_config(train={"batch_size": 2, "eval_size": 2}), run_dir=tmp_path).context.autocast():
+        assert not torch.is_autocast_enabled("cpu")  # fp32: no region
+    assert trainer.sampler.autocast == trainer.context.autocast

@@ -208,30 +208,32 @@ def test_the_trainer_refills_with_new_tasks_while_every_group_ties(tmp_path):
     from palestra.rl import group_size_of
 
     trainer = refill_trainer(tmp_path, 'reward={name: format, options: {pattern: "^<answer>-?[0-9]+</answer>$"}}')
-    _, first, metrics = trainer.rollout(0)
-    generate_s = metrics["perf/generate_s"]
-    batch = trainer.refilled(0, first, metrics)
+    generate_s = trainer.sampler.rollout(0).generate_s
+    sampled = trainer.sampler.sample(0)
+    batch, metrics = sampled.batch, sampled.metrics
     assert batch.batch_size == 3 * 16 and group_size_of(batch.group_ids, "test") == 4
     assert batch.group_ids.unique().numel() == 12
     assert not batch.rewards.any()
     assert metrics["rollout/refill_rounds"] == 2.0 and metrics["rollout/groups_short"] == 4.0
     assert metrics["perf/generate_s"] > generate_s  # the refills' sampling time counts in the step's
-    _, again, _ = trainer.rollout(0, refill=1)
+    again = trainer.sampler.rollout(0, refill=1).batch
     width = again.completion_ids.shape[1]
     assert torch.equal(batch.completion_ids[16:32, :width], again.completion_ids)
     prompts = [m["question"] for m in batch.metadata]
     assert prompts[16:32] != prompts[:16] and prompts[32:] != prompts[16:32]  # new tasks, not the same ones resampled
 
-    metrics = trainer.train_step()  # and a whole step through the update
+    metrics = trainer.step()  # and a whole step through the update
     assert metrics["rollout/refill_rounds"] == 2.0 and metrics["dapo/empty_update"] == 1.0
 
 
 def test_the_trainer_does_not_refill_a_batch_that_is_already_full(tmp_path):
     """A length reward differs between almost any two random completions: every group carries a signal."""
     trainer = refill_trainer(tmp_path, "reward={name: length, options: {target: 12, unit: chars}}")
-    _, first, metrics = trainer.rollout(0)
+    first = trainer.sampler.rollout(0).batch
     assert trainer.algorithm.groups_short(first) == 0
-    assert trainer.refilled(0, first, metrics) is first
+    sampled = trainer.sampler.sample(0)
+    metrics = sampled.metrics
+    assert torch.equal(sampled.batch.completion_ids, first.completion_ids)  # the first rollout alone
     assert metrics["rollout/refill_rounds"] == 0.0 and metrics["rollout/groups_short"] == 0.0
 
 # ---- GSPO and CISPO -------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_a_gguf_model_trains_through_the_trainer(files: dict[str, Path], tmp_pat
     })  # fmt: skip
     trainer = Trainer(config, run_dir=tmp_path / "run")
     before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
-    history = [trainer.train_step() for _ in range(2)]
+    history = [trainer.step() for _ in range(2)]
     assert all(math.isfinite(v) for m in history for v in m.values())
     assert any(m["grad/norm"] > 0 for m in history)
     assert any(not torch.equal(v, before[k]) for k, v in trainer.policy.named_parameters())

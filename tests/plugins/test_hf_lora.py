@@ -175,7 +175,7 @@ def test_the_trainer_optimises_only_adapters_against_the_frozen_base(folders: di
     heads = {"value_head.weight", "value_head.bias"} if algorithm == "ppo" else set()
     assert names == {n for n in policy.adapter_state_dict() if "lora_" in n} | heads  # the value head stays trainable
     before = {k: v.detach().clone() for k, v in policy.named_parameters()}  # every tensor once, under one name
-    history = [trainer.train_step() for _ in range(2)]
+    history = [trainer.step() for _ in range(2)]
     assert all(math.isfinite(v) for m in history for v in m.values())
     after = dict(policy.named_parameters())
     moved = {k for k in before if not torch.equal(before[k], after[k])}

@@ -245,7 +245,7 @@ def test_bad_options_are_one_line_each() -> None:
 
 @needs_rg
 def test_the_reward_names_rows_from_another_environment() -> None:
-    from palestra.engine.checked_reward import RewardError
+    from palestra.checked_reward import RewardError
 
     with pytest.raises(RewardError, match=r"raised on row 0 .*metadata has no 'entry'; the reasoning_gym reward scores rows"):
         reward()(["p"], ["<answer>1</answer>"], [{"answer": "1"}])

@@ -311,6 +311,6 @@ def test_the_example_trains_a_few_steps(tmp_path: Path, one_thread: None) -> Non
 
     config = load_config(EXAMPLE, ["loggers=[]", "train.steps=2", "train.batch_size=4", "train.eval_size=4"])
     trainer = Trainer(config, run_dir=tmp_path)
-    metrics = trainer.train_step()
+    metrics = trainer.step()
     assert {"reward/win", "reward/loss", "reward/invalid", "reward/agent/player_0"} <= set(metrics)
     assert trainer.evaluate(4).components.keys() >= {"win", "draw", "loss"}

@@ -28,7 +28,7 @@ __all__ = [
     "RewardError",
 ]
 
-log = logging.getLogger("palestra.engine.checked_reward")
+log = logging.getLogger("palestra.checked_reward")
 
 
 class RewardError(ValueError):
