@@ -596,14 +596,14 @@ def check_training(config: Config, threshold: float) -> list[Check]:
     policy = trainer.policy
     recorder = GradientRecorder(policy.named_parameters())
     prepared: dict[str, Any] = {}
-    algorithm_prepare = trainer.algorithm.prepare
+    algorithm_prepare = trainer.learner.prepare
 
     def prepare(batch: Any) -> Any:  # keep the prepared batch, to explain zero gradients
         out = algorithm_prepare(batch)
         prepared["batch"] = out
         return out
 
-    trainer.algorithm.prepare = prepare
+    trainer.learner.prepare = prepare
     started = time.perf_counter()
     for _, fn, _ in kernel_cases(trainer.device):  # build the step's kernel back end now, not inside the timed step
         with contextlib.suppress(Exception):  # a broken back end fails in the step itself, with its message
@@ -614,7 +614,7 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             metrics = trainer.train_step()
     finally:
         recorder.remove()
-        trainer.algorithm.prepare = algorithm_prepare
+        trainer.learner.prepare = algorithm_prepare
     skipped = metrics.get("train/skipped", 0.0) > 0
     cause = skip_cause(reasons)
     checks.append(

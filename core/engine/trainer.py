@@ -40,6 +40,7 @@ from palestra.config import Config, build_component
 from palestra.context import TrainContext
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
+from palestra.engine.learner import Learner
 from palestra.engine.rollout import Rollout, collect
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
 from palestra.multiagent.credit import credit_rewards
@@ -142,7 +143,7 @@ class Trainer:
         # Everything the optimiser needs from the run, handed over explicitly: device, ranks, precision, gradient
         # averaging, the config.
         self.context = TrainContext.for_run(config, self.dist)
-        self.algorithm.setup(self.policy, self.context, reference=self.reference)
+        self.learner = Learner(self.algorithm, self.policy, self.context, reference=self.reference)
         self.hooks = get_plugin_manager().hook
         self.watchdog = StepWatchdog(t.step_timeout_s)
         # The environments as every step calls them: timed and checked against the protocol (built once).
@@ -172,7 +173,7 @@ class Trainer:
         started = time.perf_counter()
         # Sampling runs in the training precision too (train.precision=bf16: the decode matmuls in bf16, the sampling
         # math in fp32); any gap to the learner's log-probs this leaves is logged as rollout/* and can be corrected.
-        with self.watchdog.phase("rollout"), self.dist.gathered(self.policy), self.algorithm.autocast():
+        with self.watchdog.phase("rollout"), self.dist.gathered(self.policy), self.learner.autocast():
             ro = collect(
                 self.checked_env, self.policy, self.generator, self.sampling, self.local_batch_size,
                 group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
@@ -261,9 +262,9 @@ class Trainer:
         self.policy.train()
         with self.watchdog.phase("update"):
             scoring = time.perf_counter()
-            batch = self.algorithm.prepare(batch.validate())  # reference log-probs, advantages
+            batch = self.learner.prepare(batch.validate())  # reference log-probs, advantages
             updating = time.perf_counter()
-            metrics.update(self.algorithm.update(self.policy, batch))
+            metrics.update(self.learner.update(batch))
             metrics["perf/score_s"] = updating - scoring
             metrics["perf/update_s"] = time.perf_counter() - updating  # forwards, backwards, optimiser steps
         if metrics.get("train/skipped", 0.0):
@@ -333,7 +334,7 @@ class Trainer:
         params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=0.0)
         # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
         # collectives see every rank and the number needs no reduction.
-        with self.watchdog.phase("eval"), self.dist.gathered(self.policy), self.algorithm.autocast():
+        with self.watchdog.phase("eval"), self.dist.gathered(self.policy), self.learner.autocast():
             ro = collect(self.checked_eval_env, self.policy, self.generator, params, n,
                          seed=derive_seed(self.config.run.seed, "held-out"))
             scored = self.reward.evaluate(*ro.reward_rows())
@@ -421,7 +422,7 @@ class Trainer:
         Collective under torchrun (every rank must call it: RNG states are gathered, FSDP gathers full tensors);
         the complete state is meaningful on rank 0.
         """
-        algorithm = self.algorithm.state_dict()  # collective under FSDP: the full optimiser states
+        algorithm = self.learner.state_dict()  # collective under FSDP: the full optimiser states
         adapters = isinstance(self.policy, AdapterPolicy)
         if adapters:  # LoRA: the trainable tensors only; resume rebuilds the frozen base from its model files
             policy = self.policy.adapter_state_dict()
@@ -488,7 +489,7 @@ class Trainer:
             if mismatch is None:  # the names and shapes agree: not the user's checkpoint, a fault to show in full
                 raise
             raise ckpt.CheckpointError(mismatch) from e
-        self.algorithm.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
+        self.learner.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
         self.reward.load_state_dict(state["reward"])
         self.reward_ema = state["reward_ema"]
         self.step = int(state["step"])
