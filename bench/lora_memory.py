@@ -69,7 +69,7 @@ def measure(lora: dict[str, Any] | None, steps: int) -> dict[str, Any]:
     policy, reference = trainer.policy, trainer.reference
     params = storages([*policy.parameters(), *policy.buffers()])
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimiser = storages(t for opt in trainer.algorithm.optimizers.values() for state in opt.state.values()
+    optimiser = storages(t for opt in trainer.learner.optimizers.values() for state in opt.state.values()
                          for t in state.values() if isinstance(t, torch.Tensor))
     ref = storages([*reference.parameters(), *reference.buffers()]) if reference is not None else {}
     figures = {

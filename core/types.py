@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
-    from contextlib import AbstractContextManager
 
     import torch
 
@@ -445,31 +444,34 @@ class Generator(Protocol):
 
 
 class PolicyOptimizer(Protocol):
-    """An RL algorithm (GRPO, PPO, RLOO, MAPPO, ...) as the trainer drives it: exactly the calls below.
+    """An RL algorithm (GRPO, PPO, RLOO, MAPPO, ...) as the learner and the trainer use it: exactly the calls below.
 
-    Lifecycle: ``setup`` once with the run's :class:`~palestra.context.TrainContext`; then per step ``prepare``
-    (advantages, returns, reference log-probs: no gradients) and ``update`` (the optimiser steps); ``state_dict``
-    / ``load_state_dict`` for checkpoints (collective under FSDP2: every rank calls them). Most algorithms
-    subclass :class:`palestra.Algorithm`, the one learner loop, and supply only ``advantages`` and ``loss``.
+    The config section and the registry kind are ``optimizer``; in code it is an *algorithm*. It owns the RL content
+    only: the :class:`~palestra.engine.learner.Learner` does the forward, micro-batches, precision, clipping, the
+    optimiser steps and checkpoints, and calls ``bind`` once, then per step ``advantages`` (inside its
+    ``prepare``) and ``loss`` (on each micro-batch, with the policy's scores). An algorithm never calls the policy.
+    Most algorithms subclass :class:`palestra.Algorithm` and supply only ``advantages`` and ``loss``.
     """
 
     name: str  # the registered name; prefixes error messages
-    needs_reference: bool  # True when the trainer must give setup() a frozen copy of the policy (a KL term)
+    needs_reference: bool  # True when the learner must score a frozen copy of the policy (a KL term)
+    needs_value_head: bool  # True when the policy needs a value head (the learner scores its values)
     routes_agents: bool  # scores each row with its agent's parameters (needed for agents.independent_layers)
     shared_update_window: bool  # honours agents.update_frequency (steps the shared layers every N updates)
     refill_rounds: int  # extra rollouts a step may draw while groups_short() > 0 (DAPO's refill); 0 for most
 
-    def setup(self, policy: Policy, context: TrainContext, *, reference: Policy | None = None) -> None:
-        """Bind the policy (adding a value head if the algorithm needs one) and build the optimisers."""
+    def bind(self, policy: Policy, context: TrainContext) -> None:
+        """Called once by the learner, before it builds the optimisers: the run's context (and checks against it)."""
         ...
 
-    def prepare(self, batch: Experience) -> Experience:
-        """Fill in ``advantages`` (and ``returns``, ``old_values``, ``ref_logprobs`` as needed) for a fresh rollout."""
+    def advantages(self, batch: Experience) -> Experience:
+        """Fill in ``advantages`` (and ``returns`` as needed) for a fresh rollout; no gradients. ``ref_logprobs`` and
+        (with a value head) ``old_values`` are already there."""
         ...
 
-    def update(self, policy: Policy, batch: Experience) -> dict[str, float]:
-        """Take the optimiser step(s) for ``batch``: backward, gradient clipping, parameter update. Returns metrics
-        (``train/skipped: 1.0`` when a non-finite loss or gradient skipped the step)."""
+    def loss(self, batch: Experience, scores: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        """The differentiable loss of one micro-batch from the policy's ``scores`` (log-probs, entropy, values) and
+        its token-mean metrics. ``batch.old_logprobs`` are what the policy ratio is taken against."""
         ...
 
     def groups_short(self, batch: Experience) -> int:
@@ -477,13 +479,11 @@ class PolicyOptimizer(Protocol):
         remain; 0: the batch is ready)."""
         ...
 
-    def autocast(self) -> AbstractContextManager[Any]:
-        """The training precision's autocast region, which the trainer's rollouts sample under."""
+    def extra_state(self) -> dict[str, Any]:
+        """The algorithm's own state (running statistics, a critic), checkpointed by the learner."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def load_extra_state(self, state: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable

@@ -62,10 +62,11 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
 
 @dataclass(frozen=True)
 class RunComponents:
-    """Every component of a training run, built and set up (:func:`build_run`); the trainer runs them.
+    """Every component of a training run, built (:func:`build_run`); the trainer runs them, with a
+    :class:`~palestra.engine.learner.Learner` over the algorithm, the policy and ``context``.
 
     ``eval_env`` is the environment of held-out evaluation; ``reference`` the frozen policy of a KL term (None when
-    the algorithm has none); ``loggers`` is empty on every rank but 0; ``context`` what the algorithm was set up with.
+    the algorithm has none); ``loggers`` is empty on every rank but 0; ``context`` what the learner is given.
     """
 
     config: Config
@@ -82,7 +83,7 @@ class RunComponents:
 
 
 def build_run(config: Config, dist: DistributedContext) -> RunComponents:
-    """Build and set up every component of a run of ``config`` on the ranks of ``dist``.
+    """Build every component of a run of ``config`` on the ranks of ``dist``.
 
     Seeds Python's and torch's generators with ``run.seed`` first: the policy's initial weights (the same on every
     rank, broadcast besides) come from it. The cheap components come first, so that a bad environment or reward
@@ -122,7 +123,6 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
         reference = (policy.base_reference() if isinstance(policy, AdapterPolicy)
                      else copy.deepcopy(policy).eval().requires_grad_(False))
     dist.shard(policy)  # FSDP2 (distributed.strategy=fsdp); a no-op otherwise
-    # Everything the algorithm needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
+    # Everything the learner needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
     context = TrainContext.for_run(config, dist)
-    algorithm.setup(policy, context, reference=reference)
     return RunComponents(config, dist, env, eval_env, reward, loggers, generator, algorithm, policy, reference, context)

@@ -62,6 +62,7 @@ from palestra.types import AdapterPolicy, FileLogger, Stateful
 
 if TYPE_CHECKING:
     from palestra.config import RunComponents
+    from palestra.engine.learner import Learner
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -653,7 +654,7 @@ def _line_end_at_or_before(f: Any, limit: int, chunk: int = 1 << 16) -> int:
 
 # ---- a run's state -------------------------------------------------------------------------------------------------
 def capture_state(
-    run: RunComponents, *, step: int, run_id: str, reward_ema: float | None, bad_steps: int,
+    run: RunComponents, learner: Learner, *, step: int, run_id: str, reward_ema: float | None, bad_steps: int,
     before: Mapping[str, Any] | None, run_dir: Path,
 ) -> dict[str, Any]:
     """Everything a run needs to continue bitwise: weights, optimiser (+ scaler, replay buffer, running reward
@@ -664,7 +665,7 @@ def capture_state(
     the complete state is meaningful on rank 0.
     """
     dist = run.dist
-    algorithm = run.algorithm.state_dict()  # collective under FSDP: the full optimiser states
+    algorithm = learner.state_dict()  # collective under FSDP: the full optimiser states
     adapters = isinstance(run.policy, AdapterPolicy)
     if adapters:  # LoRA: the trainable tensors only; resume rebuilds the frozen base from its model files
         policy = run.policy.adapter_state_dict()
@@ -705,7 +706,9 @@ class Restored:
     log_sizes: dict[str, int]
 
 
-def restore_state(run: RunComponents, state: Mapping[str, Any], *, source: str | Path = "(state)") -> Restored:
+def restore_state(
+    run: RunComponents, learner: Learner, state: Mapping[str, Any], *, source: str | Path = "(state)"
+) -> Restored:
     """Restore the components from ``state`` (:func:`capture_state`'s, loaded with :func:`load_checkpoint` from
     ``source``): weights, optimiser, reward, environment, this rank's RNG streams. Returns the loop's part."""
     _check_policy_kind(run, bool(state.get("policy_adapters", False)), source)
@@ -716,7 +719,7 @@ def restore_state(run: RunComponents, state: Mapping[str, Any], *, source: str |
         if mismatch is None:  # the names and shapes agree: not the user's checkpoint, a fault to show in full
             raise
         raise CheckpointError(mismatch) from e
-    run.algorithm.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
+    learner.load_state_dict(state["optimizer"])  # FSDP: the learner scatters the full optimiser states
     run.reward.load_state_dict(state["reward"])
     if state.get("env") is not None and isinstance(run.env, Stateful):
         run.env.load_state_dict(state["env"])

@@ -39,6 +39,7 @@ from palestra.checked_reward import RewardError
 from palestra.config import Config, RunComponents, build_run
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
+from palestra.engine.learner import Learner
 from palestra.engine.rollout import collect
 from palestra.engine.sampling import Sampled, Sampler, derive_seed, mean64
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
@@ -109,6 +110,8 @@ class Trainer:
         self.dist, self.device, self.context = c.dist, c.dist.device, c.context
         self.env, self.eval_env, self.reward, self.loggers = c.env, c.eval_env, c.reward, c.loggers
         self.generator, self.algorithm, self.policy, self.reference = c.generator, c.algorithm, c.policy, c.reference
+        # The update's mechanics around the algorithm's RL content: optimisers, micro-batches, precision, replay.
+        self.learner = Learner(self.algorithm, self.policy, self.context, reference=self.reference)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(config.run.output_dir) / config.run.name
         self.hooks = get_plugin_manager().hook
         self.watchdog = StepWatchdog(config.train.step_timeout_s)
@@ -159,9 +162,9 @@ class Trainer:
         self.policy.train()
         with self.watchdog.phase("update"):
             scoring = time.perf_counter()
-            batch = self.algorithm.prepare(sampled.batch.validate())  # reference log-probs, advantages
+            batch = self.learner.prepare(sampled.batch.validate())  # reference log-probs, advantages
             updating = time.perf_counter()
-            metrics.update(self.algorithm.update(self.policy, batch))
+            metrics.update(self.learner.update(batch))
             metrics["perf/score_s"] = updating - scoring
             metrics["perf/update_s"] = time.perf_counter() - updating  # forwards, backwards, optimiser steps
         self.hooks.on_update_end(run=self.run_state(metrics), batch=batch)
@@ -295,7 +298,7 @@ class Trainer:
         """The run's state (:func:`palestra.engine.checkpoint.capture_state`), with what plugins add to it.
         Collective under torchrun: every rank must call it; the complete state is meaningful on rank 0."""
         state = ckpt.capture_state(
-            self.components, step=self.step_index, run_id=self.run_id, reward_ema=self.reward_ema,
+            self.components, self.learner, step=self.step_index, run_id=self.run_id, reward_ema=self.reward_ema,
             bad_steps=self.bad_steps, before=self.before.to_dict() if self.before is not None else None,
             run_dir=self.run_dir,
         )
@@ -331,7 +334,7 @@ class Trainer:
 
     def load_state(self, state: Mapping[str, Any], *, source: str | Path = "(state)") -> None:
         """Restore a state already loaded with :func:`palestra.engine.checkpoint.load_checkpoint` from ``source``."""
-        restored = ckpt.restore_state(self.components, state, source=source)
+        restored = ckpt.restore_state(self.components, self.learner, state, source=source)
         self.step_index = self.saved_step = restored.step
         if restored.run_id is not None:
             self.run_id = restored.run_id  # the resumed run is the same run: its new checkpoints carry its id

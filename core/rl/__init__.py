@@ -3,6 +3,8 @@
 * :mod:`.losses`: the clipped surrogate (with DAPO's clip-higher), GSPO's sequence-level surrogate, CISPO's
   clipped-weight policy gradient, the (clipped, optionally Huber) value loss, loss aggregation;
 * :mod:`.kl`: Schulman's k1/k2/k3 KL estimators;
+* :mod:`.terms`: the entropy bonus and KL penalty a loss adds, and rollout correction's weighted advantages;
+* :mod:`.rollout_correction`: the importance weights for a sampler that is not the learner, and the gap metrics;
 * :mod:`.returns`: sequence rewards on the last token, KL-shaped token rewards, group structure;
 * :mod:`.stats`: masked means (how metrics are reported) and explained variance;
 * :mod:`.schedules`: learning-rate schedules;
@@ -39,6 +41,8 @@ _LAZY = {
     "masked_mean": "palestra.rl.stats",
     "ReplayBuffer": "palestra.rl.replay",
     "RolloutCorrectionOptions": "palestra.rl.rollout_correction",
+    "corrected_advantages": "palestra.rl.terms",
+    "entropy_and_kl": "palestra.rl.terms",
     "rollout_mismatch": "palestra.rl.rollout_correction",
 }
 

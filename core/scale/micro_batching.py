@@ -2,8 +2,8 @@
 back-off, and CPU offload of the frozen reference and of the optimiser state.
 
 Why they live here and not in the update loop: each is a small, separately testable policy about *where*
-tensors go and *how many* rows a forward sees; :class:`palestra.engine.learner.Algorithm` only asks for a plan
-(:func:`plan_micro_batches`), trims each micro-batch (:func:`trim_padding`), and calls the offload helpers.
+tensors go and *how many* rows a forward sees; the learner (:mod:`palestra.engine.micro_plans`) only asks for a
+plan (:func:`plan_micro_batches`), trims each micro-batch (:func:`trim_padding`), and calls the offload helpers.
 
 Token budget (``train.token_budget``): a micro-batch costs ``rows x (prompt width + completion width)``
 tokens after its own padding is trimmed (prompt columns that are padding in every row on the left, completion

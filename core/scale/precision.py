@@ -1,6 +1,6 @@
 """Mixed precision for the update: ``train.precision`` = ``fp32`` | ``bf16`` | ``fp16``, through :mod:`torch.amp`.
 
-Why a module of its own: the update loop (:meth:`palestra.engine.learner.Algorithm.update`) should read the same
+Why a module of its own: the update loop (:meth:`palestra.engine.learner.Learner.update`) should read the same
 whatever the precision is, so everything precision-specific lives behind four calls here —
 :meth:`Precision.autocast` (around the policy forward only), :meth:`Precision.backward`,
 :meth:`Precision.unscale_` (before clipping) and :meth:`Precision.step`.
@@ -14,7 +14,7 @@ whatever the precision is, so everything precision-specific lives behind four ca
 
 The weights keep their own dtype (``train.dtype``); log-probs come out of :func:`palestra.kernels.logprob_entropy`
 in fp32 whatever the logits are, and the losses are computed outside the autocast region, so they are fp32.
-The scaler's state is part of :meth:`Algorithm.state_dict` (exact resume keeps the scale and growth tracker).
+The scaler's state is part of :meth:`Learner.state_dict` (exact resume keeps the scale and growth tracker).
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ class GRPO(Algorithm):
         batch.advantages = group_advantages(batch.rewards, g, scale=self.options.scale, eps=self.options.std_eps)
         return batch
 
-    def loss(self, policy: Any, batch: Experience):
-        return self.clipped_loss(policy, batch, kl_coef=self.options.beta)
+    def loss(self, batch: Experience, scores: Any):
+        return self.clipped_loss(batch, scores, kl_coef=self.options.beta)
 
 
 class DrGRPO(GRPO):

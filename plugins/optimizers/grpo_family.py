@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("palestra.plugins.optimizers.grpo_family")
 
-# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them (see batch_for_update)
+# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them (see rows_for_update)
 ROW_WEIGHT = "dapo_row_weight"
 
 
@@ -71,10 +71,12 @@ class DAPO(GRPO):
     Options = DAPOOptions
     options: DAPOOptions
     step_groups: int = 0  # one rollout's groups on this rank (on_setup)
+    kept_frac: float = 0.0  # the last update's share of rows kept (rows_for_update)
+    empty_update: bool = False  # the last update had no row to train on, on any rank
 
     def on_setup(self, policy: Any) -> None:
         super().on_setup(policy)
-        if self.replay is not None:
+        if self.replay_options is not None:
             from palestra.config import ConfigError
 
             raise ConfigError(
@@ -118,40 +120,31 @@ class DAPO(GRPO):
             keep &= keep.cumsum(0) <= self.step_groups * g  # groups are kept whole, so this cuts at a group's end
         return keep
 
-    def update(self, policy: Any, batch: Experience) -> dict[str, float]:
+    def rows_for_update(self, batch: Experience) -> Experience | None:
+        """The rows of informative groups; None when no rank has any (the update is then a no-op: no optimiser step,
+        no LR-schedule step, ``dapo/empty_update`` 1).
+
+        When they cannot be split into ``train.grad_accum`` micro-batches (fewer rows than that, or none on this
+        rank while another rank has some), every row stays and a per-row weight (``extras[ROW_WEIGHT]``, which
+        :meth:`loss` hands to ``clipped_loss``) does the dropping instead: 0 on tied rows, and on kept rows the factor
+        that turns the aggregation over all rows into the one over kept rows (all tokens / kept tokens for
+        ``token_mean``, all rows / kept rows otherwise). The gradient is the same.
+        """
+        import torch
+
         from palestra.rl import group_size_of
 
-        self._require_setup("update")
-        if policy is not self.policy:
-            raise ValueError(f"{self.name}.update: policy is not the one given to setup()")
         keep = self.kept_rows(batch)
         groups = batch.batch_size // group_size_of(batch.group_ids, self.name)
-        kept_frac = float(keep.sum()) / batch.batch_size if batch.batch_size else 0.0
+        self.kept_frac = float(keep.sum()) / batch.batch_size if batch.batch_size else 0.0
         anything = bool(keep.any())
         if self.context.is_distributed:
             # Every rank must agree: a rank that stepped alone would run collectives the others do not.
             anything = self.context.distributed.any_true(anything)
+        self.empty_update = not anything
         if not anything:
             log.info("%s.update: every one of the %d groups has tied rewards; no update this step", self.name, groups)
-            # The loss over no rows is an empty sum (0); no optimiser or schedule step is taken.
-            return {"loss": 0.0, "lr": float(self.optimizer.param_groups[0]["lr"]), "train/skipped": 0.0,
-                    "dapo/kept_groups_frac": 0.0, "dapo/empty_update": 1.0}
-        metrics = super().update(policy, batch)
-        metrics["dapo/kept_groups_frac"] = kept_frac  # groups are kept whole, so the row share is the group share
-        metrics["dapo/empty_update"] = 0.0
-        return metrics
-
-    def batch_for_update(self, batch: Experience) -> Experience:
-        """The rows of informative groups.
-
-        When they cannot be split into ``train.grad_accum`` micro-batches (fewer rows than that, or none on this
-        rank while another rank has some), every row stays and a per-row weight does the dropping instead: 0 on tied
-        rows, and on kept rows the factor that turns the aggregation over all rows into the one over kept rows
-        (all tokens / kept tokens for ``token_mean``, all rows / kept rows otherwise). The gradient is the same.
-        """
-        import torch
-
-        keep = self.kept_rows(batch)
+            return None
         n_kept = int(keep.sum())
         t = self.train
         splits = 1 if (t.token_budget is not None or t.auto_micro_batch) else t.grad_accum
@@ -170,35 +163,13 @@ class DAPO(GRPO):
         rows.extras[ROW_WEIGHT] = weight
         return rows
 
-    def loss(self, policy: Any, batch: Experience):
-        o = self.options
-        scores = self.score(policy, batch)
-        per_token, metrics = self.surrogate_terms(
-            scores, batch,
-            clip_low=o.clip_eps,
-            clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
-            kl_coef=o.beta, kl_estimator=o.kl_estimator,
-        )
-        weight = batch.extras.get(ROW_WEIGHT)
-        if weight is not None:
-            per_token = per_token * weight.to(per_token.dtype)[:, None]
-        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+    def update_metrics(self) -> dict[str, float]:
+        # groups are kept whole, so the row share is the group share; the loss over no rows is an empty sum (0)
+        return {"dapo/kept_groups_frac": 0.0 if self.empty_update else self.kept_frac,
+                "dapo/empty_update": 1.0 if self.empty_update else 0.0}
 
-
-class _OwnSurrogate(GRPO):
-    """GRPO with another per-token surrogate ``fn(logp, old_logp, adv, mask, clip_low, clip_high) -> (loss, metrics)``
-    (GSPO's, CISPO's), taken against the proximal log-probs so that rollout correction applies to it too."""
-
-    def surrogate_loss(self, fn: Any, policy: Any, batch: Experience):
-        o = self.options
-        scores = self.score(policy, batch)
-        per_token, m = fn(
-            scores.logprobs, self.proximal_logprobs(scores, batch), batch.advantages, batch.completion_mask,
-            o.clip_eps, o.clip_eps_high,
-        )
-        metrics = {"policy/clip_frac": m["clip_frac"], "policy/ratio_mean": m["ratio_mean"]}
-        per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics, kl_coef=o.beta, kl_estimator=o.kl_estimator)
-        return self.aggregate(per_token, batch.completion_mask), self.floats(metrics)
+    def loss(self, batch: Experience, scores: Any):
+        return self.clipped_loss(batch, scores, kl_coef=self.options.beta, row_weight=batch.extras.get(ROW_WEIGHT))
 
 
 # ---- GSPO -------------------------------------------------------------------------------------------------
@@ -209,17 +180,17 @@ class GSPOOptions(GRPOOptions):
     loss_agg: LossAgg = "seq_mean_token_mean"  # with one ratio per sequence: GSPO's sequence-level objective
 
 
-class GSPO(_OwnSurrogate):
+class GSPO(GRPO):
     """GRPO's advantages with a sequence-level importance ratio, clipped per sequence (GSPO-token form)."""
 
     name = "gspo"
     Options = GSPOOptions
     options: GSPOOptions
 
-    def loss(self, policy: Any, batch: Experience):
+    def loss(self, batch: Experience, scores: Any):
         from palestra.rl import gspo_surrogate
 
-        return self.surrogate_loss(gspo_surrogate, policy, batch)
+        return self.clipped_loss(batch, scores, kl_coef=self.options.beta, surrogate=gspo_surrogate)
 
 
 # ---- CISPO ------------------------------------------------------------------------------------------------
@@ -230,17 +201,17 @@ class CISPOOptions(GRPOOptions):
     loss_agg: LossAgg = "token_mean"
 
 
-class CISPO(_OwnSurrogate):
+class CISPO(GRPO):
     """GRPO's advantages with CISPO's loss: a clipped, stop-gradient importance weight times ``A * logp``."""
 
     name = "cispo"
     Options = CISPOOptions
     options: CISPOOptions
 
-    def loss(self, policy: Any, batch: Experience):
+    def loss(self, batch: Experience, scores: Any):
         from palestra.rl import cispo_surrogate
 
-        return self.surrogate_loss(cispo_surrogate, policy, batch)
+        return self.clipped_loss(batch, scores, kl_coef=self.options.beta, surrogate=cispo_surrogate)
 
 
 @hookimpl

@@ -3,7 +3,8 @@
 Per token: the reward is the sequence reward on the completion's last real token, minus ``kl_coef``
 times the KL estimate of the behaviour policy to a frozen reference (k1 by default, as TRL's PPO);
 advantages and value targets come from GAE (``palestra.kernels.gae`` with ``gamma``, ``lam``) over the
-values the policy's value head gave at rollout time (``batch.old_values``, computed in ``prepare``);
+values the policy's value head gave at rollout time (``batch.old_values``, which the learner scores before
+``advantages`` for an algorithm that ``needs_value_head``);
 advantages are whitened over the batch's valid tokens. The loss is the clipped surrogate, plus
 ``vf_coef`` times the clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with
 ``V_clip = V_old + clip(V - V_old, -clip_value, clip_value)``, minus the entropy bonus (both from
@@ -61,7 +62,9 @@ class PPO(Algorithm):
 
         o = self.options
         mask = batch.completion_mask
-        old_values = self.score_in_chunks(self.policy, batch, values=True).values
+        old_values = batch.old_values
+        if old_values is None:
+            raise ValueError(f"{self.name}: batch.old_values are missing; the learner's prepare() scores them")
         rewards = kl_shaped_rewards(batch, o.kl_coef, o.kl_estimator)
         adv, returns = gae(rewards, old_values, mask, o.gamma, o.lam)
         if o.whiten_advantages:
@@ -70,22 +73,21 @@ class PPO(Algorithm):
         self.explained_var = explained_variance(old_values, returns, mask)
         return batch
 
-    def loss(self, policy: Any, batch: Experience):
+    def loss(self, batch: Experience, scores: Any):
         from palestra.rl import value_loss as rl_value_loss
 
         o = self.options
         if batch.returns is None or batch.old_values is None:
             raise ValueError(f"{self.name}: batch.returns and batch.old_values are missing; run prepare() first")
-        scores = self.score(policy, batch, values=True)
         per_token, metrics = self.surrogate_terms(
-            scores, batch, clip_low=o.clip_eps, clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
+            batch, scores, clip_low=o.clip_eps, clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
             kl_estimator=o.kl_estimator,
         )
         mask = batch.completion_mask
         value_loss, _ = rl_value_loss(scores.values, batch.old_values, batch.returns, mask, o.clip_value)
         metrics["value/loss"] = self.metric_mean(value_loss, mask)
         per_token = per_token + o.vf_coef * value_loss
-        return self.aggregate(per_token, mask), self.floats(metrics)
+        return self.aggregate(per_token, mask), metrics
 
     def update_metrics(self) -> dict[str, float]:
         return {"value/explained_var": self.explained_var}

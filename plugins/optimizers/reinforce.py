@@ -106,10 +106,9 @@ class Reinforce(Algorithm):
         return batch
 
     # ---- loss ------------------------------------------------------------------------------------------------
-    def loss(self, policy: Any, batch: Experience):
+    def loss(self, batch: Experience, scores: Any):
         o = self.options
         mask = batch.completion_mask
-        scores = self.score(policy, batch)
         logp = scores.logprobs
         log_ratio = (logp.detach() - batch.behaviour_logprobs.to(logp.dtype)).masked_fill(~mask, 0.0)
         ratio = log_ratio.exp()
@@ -120,26 +119,18 @@ class Reinforce(Algorithm):
             "policy/clip_frac": self.metric_mean((ratio > o.replay_is_clip * (1 + 1e-5)).to(logp.dtype), mask),
             "policy/ratio_mean": self.metric_mean(ratio, mask),
         }
-        per_token = self.add_entropy_and_kl(per_token, scores, batch, metrics)
-        return self.aggregate(per_token, mask), self.floats(metrics)
+        per_token = self.entropy_and_kl(per_token, batch, scores, metrics)
+        return self.aggregate(per_token, mask), metrics
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "agents": list(self.agents),
-                "moments": self.moments.state_dict() if self.moments is not None else None}
+        return {"agents": list(self.agents), "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         from palestra.kernels import RunningMoments
 
-        if not {"agents", "moments"} <= set(state):
+        if set(state) != {"agents", "moments"}:
             raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments")
-        rest = {k: v for k, v in state.items() if k not in ("agents", "moments")}
-        # Checkpoints written before replay moved to the learner kept the buffer, empty or not, under "buffer".
-        if "buffer" in rest:
-            buffer = rest.pop("buffer")
-            if buffer or self.replay is not None:
-                rest["replay"] = buffer
-        super().load_extra_state(rest)
         self.agents = {a: i for i, a in enumerate(state["agents"])}
         self.moments = None
         if state["moments"] is not None:

@@ -47,8 +47,8 @@ class ReinforcePP(Algorithm):
         batch.advantages = discounted_returns(rewards, batch.completion_mask, o.gamma, whiten=True)
         return batch
 
-    def loss(self, policy: Any, batch: Experience):
-        return self.clipped_loss(policy, batch)
+    def loss(self, batch: Experience, scores: Any):
+        return self.clipped_loss(batch, scores)
 
 
 @hookimpl

@@ -68,8 +68,8 @@ class RLOO(Algorithm):
         batch.advantages = adv
         return batch
 
-    def loss(self, policy: Any, batch: Experience):
-        return self.clipped_loss(policy, batch)
+    def loss(self, batch: Experience, scores: Any):
+        return self.clipped_loss(batch, scores)
 
 
 @hookimpl

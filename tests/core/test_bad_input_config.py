@@ -155,16 +155,19 @@ def test_renaming_any_component_node_resets_its_options(tmp_path: Path) -> None:
 # ---- 5. GRPO with groups of one --------------------------------------------------------------------------
 @pytest.mark.parametrize(("name", "scale"), [("grpo", "group"), ("grpo", "none"), ("grpo", "batch"), ("dr_grpo", "none")])
 def test_grpo_refuses_group_size_one_at_setup(name: str, scale: str) -> None:
+    from palestra.context import TrainContext
+    from palestra.engine.learner import Learner
+
     algorithm = get_registry().get("optimizer", name).factory(scale=scale)
     policy = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError) as info:
-        algorithm.setup(policy, TrainConfig(group_size=1, batch_size=2))
+        Learner(algorithm, policy, TrainContext.local(TrainConfig(group_size=1, batch_size=2)))
     assert str(info.value) == (
         f"train.group_size: {name}'s group-relative advantages need at least 2 completions per prompt, "
         "got 1 (every advantage would be 0)"
     )
     algorithm = get_registry().get("optimizer", name).factory(scale=scale)
-    algorithm.setup(policy, TrainConfig(group_size=2, batch_size=2))  # two completions per prompt are enough
+    Learner(algorithm, policy, TrainContext.local(TrainConfig(group_size=2, batch_size=2)))  # two completions per prompt are enough
 
 
 def test_train_with_grpo_and_group_size_one_stops_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

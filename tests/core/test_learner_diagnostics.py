@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # the algorithm tests' toy policy
-from algo_helpers import ToyPolicy, make_batch, reference_logprobs, train_config  # noqa: E402
+from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # noqa: E402
 
 from palestra.plugin_manager import get_registry
 from palestra.rl.stats import group_tie_stats
@@ -54,11 +54,11 @@ def test_group_tie_stats_by_hand():
 def test_update_logs_the_group_diagnostics_of_the_batch():
     policy = ToyPolicy()
     algo = grpo(diagnostics_every=0)
-    algo.setup(policy, train_config())
+    algo = learner_for(algo, policy, train_config())
     batch = make_batch(REWARDS, GROUPS, lengths=LENGTHS)
     batch.behaviour_logprobs = reference_logprobs(policy, batch).float()
     batch = algo.prepare(batch)
-    metrics = algo.update(policy, batch)
+    metrics = algo.update(batch)
     assert metrics["diag/tied_group_frac"] == pytest.approx(2 / 3)
     assert metrics["diag/near_tie_group_frac"] == pytest.approx(1 / 3)
     # GRPO's near-tie advantages: (r - mean) / (sample std + 1e-4), blown up from differences of 5e-4
@@ -104,7 +104,7 @@ def test_the_probe_matches_float64_and_leaves_the_update_unchanged():
     ).float()
     twin = copy.deepcopy(policy)
     algo = grpo(entropy_coef=coef, clip_eps=0.2, diagnostics_every=1)
-    algo.setup(policy, train_config(lr=0.05))
+    algo = learner_for(algo, policy, train_config(lr=0.05))
     batch = algo.prepare(batch)
     other_batch = copy.deepcopy(batch)
 
@@ -122,7 +122,7 @@ def test_the_probe_matches_float64_and_leaves_the_update_unchanged():
     logit_norm = float(logits.detach()[valid].norm(dim=-1).mean())
     hidden_norm = float(states.detach()[valid].norm(dim=-1).mean())
 
-    metrics = algo.update(policy, batch)
+    metrics = algo.update(batch)
     assert metrics["diag/entropy_grad_share"] == pytest.approx(share, rel=1e-4)
     assert 0 < share < 1
     assert metrics["diag/logit_norm"] == pytest.approx(logit_norm, rel=1e-5)
@@ -130,8 +130,8 @@ def test_the_probe_matches_float64_and_leaves_the_update_unchanged():
 
     # the same update without the probe: the same weights, bit for bit
     plain = grpo(entropy_coef=coef, clip_eps=0.2, diagnostics_every=0)
-    plain.setup(twin, train_config(lr=0.05))
-    plain.update(twin, other_batch)
+    plain = learner_for(plain, twin, train_config(lr=0.05))
+    plain.update(other_batch)
     for (name, a), b in zip(policy.named_parameters(), twin.parameters()):
         assert torch.equal(a, b), name
 
@@ -139,12 +139,12 @@ def test_the_probe_matches_float64_and_leaves_the_update_unchanged():
 def test_the_probe_runs_every_n_updates_and_costs_nothing_without_an_entropy_bonus():
     policy = ToyPolicy()
     algo = grpo(diagnostics_every=3)
-    algo.setup(policy, train_config(grad_accum=3))
+    algo = learner_for(algo, policy, train_config(grad_accum=3))
     seen = []
     for step in range(5):
         batch = make_batch(REWARDS, GROUPS, lengths=LENGTHS, seed=step)
         batch.behaviour_logprobs = reference_logprobs(policy, batch).float()
-        metrics = algo.update(policy, algo.prepare(batch))
+        metrics = algo.update(algo.prepare(batch))
         seen.append("diag/logit_norm" in metrics)
         if seen[-1]:
             assert metrics["diag/entropy_grad_share"] == 0.0  # entropy_coef 0: the bonus adds no gradient

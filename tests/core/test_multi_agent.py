@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from palestra.config import AgentsConfig, ConfigError, load_config
+from palestra.context import TrainContext
+from palestra.engine.learner import Learner
 from palestra.multiagent.credit import credit_plan, reward_rows
 from palestra.multiagent.sharing import MultiAgentPolicy, wrap_policy
 from palestra.plugin_manager import get_registry
@@ -225,18 +227,18 @@ def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overri
     algo = get_registry().get("optimizer", "mappo").factory(per_agent_optimizer=per_agent_optimizer)
     config = load_config(EXAMPLE, ["train.lr=0.01", "train.max_new_tokens=4", "train.track_update_ratio=false",
                                     "train.updates_per_batch=1", *overrides])  # one update() call = one window slot
-    algo.setup(policy, config.train)
+    learner = Learner(algo, policy, TrainContext.local(config.train))
     env = CustomerServiceEnv()
     reward = get_registry().get("reward", "fluency").factory()
-    return policy, algo, env, reward
+    return policy, learner, env, reward
 
 
-def one_update(policy, algo, env, reward, step: int) -> dict[str, float]:
+def one_update(policy, learner, env, reward, step: int) -> dict[str, float]:
     ro = collect(env, policy, get_registry().get("generator", "kv_cache").factory(), SamplingParams(max_new_tokens=4), 4,
                  seed=step, rng=torch.Generator().manual_seed(step))
     scores = reward(*ro.reward_rows())
-    batch = algo.prepare(ro.experience(scores, pad_token_id=policy.tokenizer.pad_token_id))
-    return algo.update(policy, batch)
+    batch = learner.prepare(ro.experience(scores, pad_token_id=policy.tokenizer.pad_token_id))
+    return learner.update(batch)
 
 
 @pytest.mark.parametrize("per_agent_optimizer", [True, False])
@@ -259,21 +261,22 @@ def test_shared_layers_step_every_update_frequency_updates_and_independent_ones_
 def test_update_frequency_steps_with_the_mean_of_the_windows_gradients() -> None:
     """With plain SGD semantics checked through AdamW's first step: the accumulated buffer holds the sum, the step
     uses sum / N, so the shared layers' first step equals one taken on the averaged gradient."""
-    policy, algo, env, reward = mappo_setup(2, True, "train.max_grad_norm=null")
+    policy, learner, env, reward = mappo_setup(2, True, "train.max_grad_norm=null")
+    algo = learner.algorithm
     shared = policy.shared_parameters()
-    one_update(policy, algo, env, reward, 0)
+    one_update(policy, learner, env, reward, 0)
     assert algo.pending == 1 and any(float(a.abs().sum()) > 0 for a in algo.shared_accum)
     window = [a.clone() for a in algo.shared_accum]
-    twin = copy.deepcopy((policy, algo))
-    one_update(policy, algo, env, reward, 1)
+    twin = copy.deepcopy((policy, learner))
+    one_update(policy, learner, env, reward, 1)
     assert algo.pending == 0 and all(float(a.abs().sum()) == 0 for a in algo.shared_accum)
     # The twin recomputes update 1's gradient: the mean of the window is what the shared step saw.
-    t_policy, t_algo = twin
-    t_algo.update_frequency = 10**9  # accumulate only
-    one_update(t_policy, t_algo, env, reward, 1)
-    mean = [a / 2 for a in t_algo.shared_accum]  # (update 0's gradient + update 1's) / 2
+    t_policy, t_learner = twin
+    t_learner.algorithm.update_frequency = 10**9  # accumulate only
+    one_update(t_policy, t_learner, env, reward, 1)
+    mean = [a / 2 for a in t_learner.algorithm.shared_accum]  # (update 0's gradient + update 1's) / 2
     assert not torch.equal(mean[0], window[0] / 2), "two different gradients in the window"
-    state = algo.optimizers["shared"].state[shared[0]]
+    state = learner.optimizers["shared"].state[shared[0]]
     torch.testing.assert_close(state["exp_avg"], (1 - 0.9) * mean[0])  # AdamW's first moment after one step
 
 

@@ -1,5 +1,5 @@
 """Mixed precision, non-finite step skipping and the memory savers of the update (palestra.scale.precision,
-palestra.scale.micro_batching, palestra.engine.learner.Algorithm.update), on the real tiny policy.
+palestra.scale.micro_batching, palestra.engine.learner.Learner.update), on the real tiny policy.
 
 Gradients are compared through AdamW's first moment after one step, which is exactly ``(1 - beta1) * grad``.
 Out-of-memory is injected by a policy whose ``score`` raises the real ``torch.OutOfMemoryError`` above a
@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 from palestra.context import TrainContext
-from palestra.engine.learner import Algorithm
+from palestra.engine.algorithm import Algorithm
+from palestra.engine.learner import Learner
 from palestra.config import ConfigError, TrainConfig
 from palestra.scale.micro_batching import (
     OutOfMemory,
@@ -81,16 +82,16 @@ def build(name: str = "grpo", **options) -> Algorithm:
     return get_registry().get("optimizer", name).factory(**options)
 
 
-def setup(policy, name="grpo", options=None, **train_overrides) -> Algorithm:
+def setup(policy, name="grpo", options=None, **train_overrides) -> Learner:
     algo = build(name, **(options or {}))
     reference = copy.deepcopy(policy).eval() if algo.needs_reference else None
-    algo.setup(policy, train(**train_overrides), reference=reference)
-    return algo
+    return Learner(algo, policy, TrainContext.local(train(**train_overrides)), reference=reference)
 
 
-def first_moment_grads(algo: Algorithm) -> list[torch.Tensor]:
+def first_moment_grads(algo: Learner) -> list[torch.Tensor]:
     """The gradient of the (only) step: AdamW's exp_avg / (1 - beta1)."""
-    stepped = algo.master.master if algo.master is not None else algo.params
+    master = algo.optimizer_set.master
+    stepped = master.master if master is not None else algo.params
     return [algo.optimizer.state[p]["exp_avg"] / 0.1 for p in stepped]
 
 
@@ -111,14 +112,14 @@ def test_mixed_precision_updates_train_and_keep_fp32_losses(precision):
     before_good, before_bad = mean_logp(policy, batch, good), mean_logp(policy, batch, bad)
 
     with algo.autocast():  # the forward runs in low precision, the scores come out fp32
-        scores = algo.score(policy, batch)
+        scores = algo.score(batch)
         logits = policy.logits(policy.trunk(batch.prompt_ids, batch.prompt_mask, batch.prompt_mask.long())[0])
     assert logits.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert scores.logprobs.dtype == torch.float32 and scores.entropy.dtype == torch.float32
-    loss, _ = algo.loss(policy, batch)
+    loss, _ = algo.loss(batch)
     assert loss.dtype == torch.float32
 
-    history = [algo.update(policy, batch) for _ in range(8)]
+    history = [algo.update(batch) for _ in range(8)]
     assert all(m["train/skipped"] == 0.0 for m in history)
     assert all(p.dtype == torch.float32 for p in policy.parameters())  # weights keep their dtype
     # The advantage-weighted likelihood moved the right way.
@@ -136,7 +137,7 @@ def test_fp16_scaler_state_round_trips_and_the_run_continues_bitwise():
     algo = setup(policy, precision="fp16")
     batch = algo.prepare(make_batch(policy))
     algo.precision.load_state_dict({**algo.precision.state_dict(), "scale": 1024.0})  # not the default scale
-    algo.update(policy, batch)
+    algo.update(batch)
     saved_policy, saved = copy.deepcopy(policy.state_dict()), copy.deepcopy(algo.state_dict())
     assert saved["precision"]["scale"] == pytest.approx(1024.0)
     assert "precision" not in setup(tiny(), precision="bf16").state_dict()
@@ -146,7 +147,7 @@ def test_fp16_scaler_state_round_trips_and_the_run_continues_bitwise():
     twin_algo = setup(twin, precision="fp16")
     twin_algo.load_state_dict(saved)
     assert twin_algo.precision.scaler.state_dict() == algo.precision.scaler.state_dict()
-    a, b = algo.update(policy, batch), twin_algo.update(twin, batch)
+    a, b = algo.update(batch), twin_algo.update(batch)
     assert a == b
     for x, y in zip(policy.parameters(), twin.parameters()):
         assert torch.equal(x, y)
@@ -158,7 +159,7 @@ def test_fp16_overflow_is_the_scalers_skip_not_a_bad_step():
     batch = algo.prepare(make_batch(policy))
     algo.precision.load_state_dict({**algo.precision.state_dict(), "scale": 3e38})  # scaled gradients overflow fp16
     before = [p.detach().clone() for p in policy.parameters()]
-    m = algo.update(policy, batch)
+    m = algo.update(batch)
     assert m["train/skipped"] == 0.0 and m["amp/overflow"] == 1.0
     assert m["amp/loss_scale"] == pytest.approx(1.5e38)  # backed off
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
@@ -179,7 +180,7 @@ def test_a_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     poisoned.advantages[3] = math.nan
     before = [p.detach().clone() for p in policy.parameters()]
     with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
-        m = algo.update(policy, poisoned)
+        m = algo.update(poisoned)
     assert m["train/skipped"] == 1.0 and all(math.isfinite(v) for v in m.values())
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert all(p.grad is None for p in policy.parameters())
@@ -189,7 +190,7 @@ def test_a_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     assert "\n" not in record.getMessage()
     assert record.getMessage().startswith("grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch ")
     # The next good batch trains normally.
-    m = algo.update(policy, batch)
+    m = algo.update(batch)
     assert m["train/skipped"] == 0.0 and algo.scheduler.last_epoch == 1
 
 
@@ -199,7 +200,7 @@ def test_a_non_finite_gradient_skips_the_step(caplog):
     batch = algo.prepare(make_batch(policy))
     handle = policy.blocks[0].mlp.down.weight.register_hook(lambda g: torch.full_like(g, math.inf))
     with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
-        m = algo.update(policy, batch)
+        m = algo.update(batch)
     handle.remove()
     assert m["train/skipped"] == 1.0
     assert "non-finite gradient norm (inf) in pass 0" in caplog.records[0].getMessage()
@@ -210,9 +211,8 @@ def test_grad_sync_hook_is_called_once_per_pass_before_clipping():
     calls = []
     context = TrainContext(train=train(grad_accum=2, updates_per_batch=3),
                            grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))))
-    algo = build("grpo")
-    algo.setup(policy, context)
-    algo.update(policy, algo.prepare(make_batch(policy)))
+    algo = Learner(build("grpo"), policy, context)
+    algo.update(algo.prepare(make_batch(policy)))
     assert calls == [(len(algo.params), True)] * 3
 
 
@@ -244,7 +244,7 @@ def test_token_budget_accumulation_is_exact(name, options):
     for budget in (None, 20, 11):
         policy = tiny()
         algo = setup(policy, name, options, token_budget=budget)
-        m = algo.update(policy, algo.prepare(make_batch(policy)))
+        m = algo.update(algo.prepare(make_batch(policy)))
         results.append((first_moment_grads(algo), m))
     (g1, m1) = results[0]
     for gk, mk in results[1:]:
@@ -259,7 +259,7 @@ def test_a_row_bigger_than_the_token_budget_is_a_one_line_error():
     policy = tiny()
     algo = setup(policy, token_budget=9)
     with pytest.raises(ValueError, match=r"^grpo: train.token_budget=9 is smaller than row 0 of the batch, which needs 10 tokens"):
-        algo.update(policy, algo.prepare(make_batch(policy)))
+        algo.update(algo.prepare(make_batch(policy)))
 
 
 # ---- automatic micro-batch size and out-of-memory back-off ------------------------------------------------------------
@@ -281,16 +281,16 @@ def test_out_of_memory_halves_the_budget_and_the_gradient_stays_exact(caplog):
     OOMAbove.calls = []
     ref_policy = tiny()
     ref_algo = setup(ref_policy, "grpo", {"beta": 0.1})
-    ref_metrics = ref_algo.update(ref_policy, ref_algo.prepare(make_batch(ref_policy)))
+    ref_metrics = ref_algo.update(ref_algo.prepare(make_batch(ref_policy)))
 
     OOMAbove.limit = 25
     policy = tiny(cls=OOMAbove)
     algo = setup(policy, "grpo", {"beta": 0.1}, auto_micro_batch=True)
     with caplog.at_level(logging.WARNING, logger="palestra.engine.learner"):
         batch = algo.prepare(make_batch(tiny()))  # the reference scoring backs off too
-        m = algo.update(policy, batch)
+        m = algo.update(batch)
     assert m["train/skipped"] == 0.0
-    assert m["memory/token_budget"] <= 25 and algo.auto_budget_cap <= 25
+    assert m["memory/token_budget"] <= 25 and algo.planner.auto_budget_cap <= 25
     assert max(OOMAbove.calls) > 25  # it really ran out first
     assert any("out of memory at a budget of" in r.getMessage() for r in caplog.records)
     for a, b in zip(first_moment_grads(ref_algo), first_moment_grads(algo)):
@@ -305,7 +305,7 @@ def test_out_of_memory_with_one_row_per_micro_batch_gives_up_in_one_line():
     batch = make_batch(tiny())
     batch.advantages = torch.ones(batch.batch_size)
     with pytest.raises(OutOfMemory, match=r"^grpo.update: out of memory with one row per micro-batch .*train.auto_micro_batch") as e:
-        algo.update(policy, batch)
+        algo.update(batch)
     assert "\n" not in str(e.value)
 
 
@@ -320,7 +320,7 @@ def test_automatic_budget_follows_free_memory_and_the_model():
     assert one == int(10**8 * 0.5 / per)
     assert auto_token_budget(policy, torch.device("cpu"), 16, 4, free_bytes=2 * 10**8) in (2 * one, 2 * one + 1)
     algo = setup(policy, auto_micro_batch=True, token_budget=30)
-    assert algo.token_budget(make_batch(policy)) == 30  # the token budget caps the estimate
+    assert algo.planner.token_budget(make_batch(policy)) == 30  # the token budget caps the estimate
 
 
 # ---- offload ---------------------------------------------------------------------------------------------------------------
@@ -329,16 +329,16 @@ def test_offload_matches_the_plain_run_and_keeps_state_on_the_cpu():
     for offload in (False, True):
         policy = tiny()
         algo = setup(policy, "grpo", {"beta": 0.1}, offload_reference=offload, offload_optimizer=offload, grad_accum=2)
-        metrics = [algo.update(policy, algo.prepare(make_batch(policy, seed=s))) for s in (3, 4, 5)]
+        metrics = [algo.update(algo.prepare(make_batch(policy, seed=s))) for s in (3, 4, 5)]
         runs.append((policy, algo, metrics))
     (plain, _, m_plain), (off, algo, m_off) = runs
     for a, b in zip(plain.parameters(), off.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     for a, b in zip(m_plain, m_off):
         assert b == pytest.approx(a, rel=1e-6, abs=1e-9)
-    assert algo.master is not None and len(algo.master.master) == len(algo.params)
-    assert all(m.device.type == "cpu" and m.dtype == torch.float32 for m in algo.master.master)
-    assert all(m is not p for m, p in zip(algo.master.master, algo.params))
+    assert algo.optimizer_set.master is not None and len(algo.optimizer_set.master.master) == len(algo.params)
+    assert all(m.device.type == "cpu" and m.dtype == torch.float32 for m in algo.optimizer_set.master.master)
+    assert all(m is not p for m, p in zip(algo.optimizer_set.master.master, algo.params))
     states = [t for s in algo.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert states and all(t.device.type == "cpu" for t in states)
     assert next(algo.reference.parameters()).device.type == "cpu"
@@ -355,7 +355,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         policy = tiny()
         algo = setup(policy, "ppo", gradient_checkpointing=on)
         assert policy.options.gradient_checkpointing is on
-        algo.update(policy, algo.prepare(make_batch(policy)))
+        algo.update(algo.prepare(make_batch(policy)))
         results.append(first_moment_grads(algo))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # the algorithm tests' toy policy
-from algo_helpers import ToyPolicy, make_batch, reference_logprobs, train_config  # noqa: E402
+from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # noqa: E402
 
 from palestra.config import ConfigError, check_options
 from palestra.plugin_manager import get_registry
@@ -158,7 +158,7 @@ def test_corrected_grpo_loss_and_gradient_match_float64(level, mode, moved):
     algo = get_registry().get("optimizer", "grpo").factory(
         clip_eps=0.2, rollout_correction={"level": level, "mode": mode, "threshold": 1.5, "mask_low": 0.6 if mode == "mask" else None},
     )
-    algo.setup(policy, train_config())
+    algo = learner_for(algo, policy, train_config())
     batch = algo.prepare(batch_from(perturbed(policy, 0.3)))
     policy64 = copy.deepcopy(policy).double()
     logp64 = float64_logprobs(policy64, batch)
@@ -175,7 +175,7 @@ def test_corrected_grpo_loss_and_gradient_match_float64(level, mode, moved):
     hand_loss = (hand * m).sum() / m.sum()
     hand_loss.backward()
 
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     loss.backward()
     assert loss.item() == pytest.approx(hand_loss.item(), rel=1e-5, abs=1e-7)
     for (name, p), p64 in zip(policy.named_parameters(), policy64.parameters()):
@@ -190,10 +190,10 @@ def test_corrected_grpo_loss_and_gradient_match_float64(level, mode, moved):
 def test_without_correction_the_ratio_is_against_the_behaviour_and_the_gap_is_still_logged():
     policy = ToyPolicy()
     algo = get_registry().get("optimizer", "grpo").factory(clip_eps=0.2)
-    algo.setup(policy, train_config())
+    algo = learner_for(algo, policy, train_config())
     batch = algo.prepare(batch_from(perturbed(policy, 0.3)))
     learner = reference_logprobs(policy, batch)
-    _, metrics = algo.loss(policy, batch)
+    _, metrics = algo.loss(batch)
     ratio = torch.exp(learner - batch.behaviour_logprobs.double())
     assert metrics["policy/ratio_mean"] == pytest.approx(token_mean(ratio, batch.completion_mask), rel=1e-5)
     gap = (learner - batch.behaviour_logprobs.double()).abs()
@@ -207,11 +207,11 @@ def test_update_reports_the_pre_update_gap_over_micro_batches_and_passes():
     second pass's proximal log-probs are the ones scored before the first step."""
     policy = ToyPolicy()
     algo = get_registry().get("optimizer", "grpo").factory(rollout_correction={"level": "token"}, diagnostics_every=0)
-    algo.setup(policy, train_config(grad_accum=2, updates_per_batch=2, lr=0.05))
+    algo = learner_for(algo, policy, train_config(grad_accum=2, updates_per_batch=2, lr=0.05))
     batch = algo.prepare(batch_from(perturbed(policy, 0.3)))
     learner = reference_logprobs(policy, batch)
     gap = (learner - batch.behaviour_logprobs.double()).abs()
-    metrics = algo.update(policy, batch)
+    metrics = algo.update(batch)
     torch.testing.assert_close(batch.old_logprobs.double(), learner, rtol=1e-5, atol=1e-6)
     mask = batch.completion_mask
     assert metrics["rollout/logp_gap_mean"] == pytest.approx(token_mean(gap, mask), rel=1e-5)
@@ -247,22 +247,24 @@ def test_a_few_training_steps_with_correction_log_the_metrics(tmp_path, one_thre
         assert ("diag/entropy_grad_share" in metrics) == (step % 2 == 0)
 
 
-def test_a_loss_that_ignores_the_correction_is_refused_in_one_line():
+def test_a_loss_of_its_own_gets_the_correction_from_the_learner():
+    """The learner corrects through the batch it hands the loss (weighted advantages, proximal old_logprobs), so a
+    loss written without any correction helper is corrected like GRPO's."""
     from palestra.plugins.optimizers.grpo import GRPO
     from palestra.rl import aggregate, clipped_surrogate
 
-    class Bare(GRPO):  # its own surrogate, without add_entropy_and_kl or rollout_terms
+    class Bare(GRPO):  # its own surrogate, aggregated by hand
         name = "bare"
 
-        def loss(self, policy, batch):
-            scores = self.score(policy, batch)
-            per_token, _ = clipped_surrogate(scores.logprobs, batch.behaviour_logprobs, batch.advantages, batch.completion_mask)
+        def loss(self, batch, scores):
+            per_token, _ = clipped_surrogate(scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask)
             return aggregate(per_token, batch.completion_mask, "token_mean"), {}
 
     policy = ToyPolicy()
-    algo = Bare(rollout_correction={"level": "token"})
-    algo.setup(policy, train_config())
-    batch = algo.prepare(batch_from(policy))
-    with pytest.raises(ConfigError, match=r"^optimizer\.options\.rollout_correction: bare's loss does not apply it"):
-        algo.update(policy, batch)
-    Bare().setup(policy, train_config())  # without the correction it trains as before
+    options = {"rollout_correction": {"level": "token", "threshold": 1.5}}
+    bare = learner_for(Bare(**options), policy, train_config())
+    batch = bare.prepare(batch_from(perturbed(policy, 0.3)))
+    loss, metrics = bare.loss(batch)
+    assert "rollout/is_weight_mean" in metrics
+    assert loss.item() == pytest.approx(learner_for(GRPO(**options), policy, train_config()).loss(batch)[0].item(), rel=1e-6)
+    assert abs(learner_for(Bare(), policy, train_config()).loss(batch)[0].item() - loss.item()) > 1e-4

@@ -5,7 +5,6 @@ plugin's own tests the ``palestra_contract`` fixture, and the example plugin's t
 
 from __future__ import annotations
 
-import contextlib
 
 import random
 import shutil
@@ -350,11 +349,13 @@ def test_a_correct_environment_passes_and_its_metadata_reaches_the_reward() -> N
 
 
 # optimizers ---------------------------------------------------------------------------------------------------
-class TensorMetrics(GRPO):
-    """Returns its metrics as tensors."""
+class RowAdvantagesAsColumns(GRPO):
+    """Gives advantages of shape [B, 1], neither per row nor per token."""
 
-    def update(self, policy, batch):
-        return {k: torch.tensor(v) for k, v in super().update(policy, batch).items()}
+    def advantages(self, batch):
+        batch = super().advantages(batch)
+        batch.advantages = batch.advantages[:, None]
+        return batch
 
 
 class ForgetfulBaseline(GRPO):
@@ -371,60 +372,61 @@ class ForgetfulBaseline(GRPO):
 
 
 class PlainSGD:
-    """A protocol-only optimiser (no palestra.Algorithm) that steps whatever its loss is, NaN included."""
+    """A protocol-only algorithm (no palestra.Algorithm): the learner calls hooks it does not have."""
 
-    name, needs_reference, routes_agents, shared_update_window, refill_rounds = "plain_sgd", False, False, False, 0
+    name, needs_reference, needs_value_head, routes_agents, shared_update_window, refill_rounds = (
+        "plain_sgd", False, False, False, False, 0)
 
-    def setup(self, policy, context, *, reference=None):
-        self.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    def bind(self, policy, context):
+        pass
 
     def groups_short(self, batch):
         return 0
 
-    def autocast(self):
-        return contextlib.nullcontext()
-
-    def prepare(self, batch):
+    def advantages(self, batch):
         batch.advantages = batch.rewards - batch.rewards.mean()
         return batch
 
-    def update(self, policy, batch):
-        logprobs = policy.score(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask).logprobs
-        loss = -(logprobs.sum(-1) * batch.advantages).mean()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": float(loss.detach())}
+    def loss(self, batch, scores):
+        return -(scores.logprobs.sum(-1) * batch.advantages).mean(), {}
 
-    def state_dict(self):
-        return {"optimizer": self.optimizer.state_dict()}
+    def extra_state(self):
+        return {}
 
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_extra_state(self, state):
+        pass
+
+
+class IgnoresAdvantages(GRPO):
+    """A loss that does not use the advantages (so a NaN advantage does not make it NaN)."""
+
+    def loss(self, batch, scores):
+        return -self.aggregate(scores.logprobs, batch.completion_mask), {}
 
 
 class Frozen(GRPO):
-    def update(self, policy, batch):
-        return {"loss": 0.0, "train/skipped": 0.0}
+    def loss(self, batch, scores):
+        return (scores.logprobs * 0.0).sum(), {}
 
 
 class NoFlags(GRPO):
     routes_agents = None  # type: ignore[assignment]
 
 
-class HalfRefill(PlainSGD):
-    """Says it refills, as a protocol-only optimiser, but cannot say how many groups it lacks."""
+class HalfRefill(GRPO):
+    """Says it refills, but cannot say how many groups it lacks."""
 
-    refill_rounds = 2
+    refill_rounds = 2  # type: ignore[assignment]
     groups_short = None  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize(
     ("optimizer", "method", "rule", "detail"),
     [
-        (TensorMetrics, "update", "metrics are floats", "is a torch.float32 tensor of shape []; expected a finite float"),
+        (RowAdvantagesAsColumns, "prepare", "prepare fills advantages", "expected floats of shape [4] or [4, "),
         (ForgetfulBaseline, "load_state_dict", "state round-trip", "continues differently: advantages: tensors differ"),
-        (PlainSGD, "update", "NaN loss skips the step", "a NaN loss returned train/skipped=None; expected 1.0"),
+        (PlainSGD, "Algorithm", "protocol", "PlainSGD does not subclass palestra.Algorithm"),
+        (IgnoresAdvantages, "update", "NaN loss skips the step", "a NaN loss returned train/skipped=0.0; expected 1.0"),
         (Frozen, "update", "parameters change", "no parameter of the policy changed"),
         (NoFlags, "routes_agents", "protocol", "routes_agents is None; expected a bool"),
         (HalfRefill, "groups_short", "protocol", "has no groups_short() method"),

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from palestra.config import TrainConfig
+from palestra.context import TrainContext
+from palestra.engine.learner import Learner
 from palestra.models.policy import CausalLMPolicy
 from palestra.types import Experience
 
@@ -116,6 +118,11 @@ def train_config(**overrides: Any) -> TrainConfig:
     base = dict(steps=10, batch_size=2, group_size=3, lr=1e-2, max_grad_norm=None, max_new_tokens=5)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+def learner_for(algorithm: Any, policy: Any, train: TrainConfig | None = None, *, reference: Any = None) -> Learner:
+    """A single-process learner for ``algorithm`` on ``policy`` (``train``: :func:`train_config`'s defaults)."""
+    return Learner(algorithm, policy, TrainContext.local(train if train is not None else train_config()), reference=reference)
 
 
 @dataclass

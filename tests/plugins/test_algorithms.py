@@ -16,11 +16,13 @@ from algo_helpers import (
     ToyPolicy,
     make_batch,
     reference_logprobs,
+    learner_for,
     reference_scores,
     train_config,
     with_behaviour,
 )
-from palestra.engine.learner import Algorithm
+from palestra.engine.algorithm import Algorithm
+from palestra.plugins.optimizers.grpo import GRPO
 from palestra.config import ConfigError
 from palestra.plugin_manager import get_registry
 
@@ -87,12 +89,11 @@ def test_defaults():
 # ---- the learner's schedule (the schedule functions: tests/core/test_rl_math.py) ---------------------------
 def test_the_learner_follows_the_lr_schedule():
     policy = ToyPolicy()
-    algo = build("grpo")
-    algo.setup(policy, train_config(lr=0.1, warmup_steps=2, steps=6, lr_schedule="linear"))
+    algo = learner_for(build("grpo"), policy, train_config(lr=0.1, warmup_steps=2, steps=6, lr_schedule="linear"))
     lrs = []
     for _ in range(4):
         batch = algo.prepare(shifted_batch(policy))
-        lrs.append(algo.update(policy, batch)["lr"])
+        lrs.append(algo.update(batch)["lr"])
     assert lrs == pytest.approx([0.05, 0.1, 0.1, 0.075])
 
 
@@ -100,8 +101,7 @@ def test_the_learner_follows_the_lr_schedule():
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_grpo_loss_matches_hand_computation(loss_agg):
     policy = ToyPolicy()
-    algo = build("grpo", loss_agg=loss_agg, clip_eps=0.2, clip_eps_high=0.28, entropy_coef=0.01)
-    algo.setup(policy, train_config(max_new_tokens=7))
+    algo = learner_for(build("grpo", loss_agg=loss_agg, clip_eps=0.2, clip_eps_high=0.28, entropy_coef=0.01), policy, train_config(max_new_tokens=7))
     batch = algo.prepare(shifted_batch(policy))
 
     adv = group_norm(REWARDS, 3, scale=True, eps=1e-4)
@@ -113,7 +113,7 @@ def test_grpo_loss_matches_hand_computation(loss_agg):
     m = Masked(batch.completion_mask)
     agg = {"token_mean": m.token_mean, "seq_mean_token_mean": m.seq_mean_token_mean,
            "seq_mean_token_sum_norm": lambda x: m.seq_mean_token_sum_norm(x, 7)}[loss_agg]
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(agg(per_token), rel=1e-5, abs=1e-6)
     # Metrics are token means whatever loss_agg is.
     assert 0 < m.token_mean(clipped.double()) < 1  # clipping is active on some tokens, not all
@@ -125,8 +125,7 @@ def test_grpo_loss_matches_hand_computation(loss_agg):
 
 def test_grpo_kl_term_to_reference():
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = build("grpo", beta=0.3)
-    algo.setup(policy, train_config(), reference=reference)
+    algo = learner_for(build("grpo", beta=0.3), policy, train_config(), reference=reference)
     batch = algo.prepare(shifted_batch(policy))
     ref = reference_logprobs(reference, batch)
     torch.testing.assert_close(batch.ref_logprobs.double(), ref, rtol=1e-5, atol=1e-6)
@@ -136,21 +135,21 @@ def test_grpo_kl_term_to_reference():
     surrogate, _, _ = clipped_surrogate(logp, batch.behaviour_logprobs.double(), adv, 0.2, 0.2)
     k3 = torch.exp(ref - logp) - 1 - (ref - logp)
     m = Masked(batch.completion_mask)
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(surrogate + 0.3 * k3), rel=1e-5, abs=1e-6)
     assert metrics["policy/kl"] == pytest.approx(m.token_mean(k3), rel=1e-5)
 
 
 def test_grpo_needs_reference_when_beta_positive():
     with pytest.raises(ValueError, match="needs a frozen reference policy"):
-        build("grpo", beta=0.1).setup(ToyPolicy(), train_config())
+        learner_for(build("grpo", beta=0.1), ToyPolicy())
 
 
 def test_dr_grpo_differs_from_grpo_in_scale_and_aggregation():
     policy = ToyPolicy()
     grpo, dr = build("grpo"), build("dr_grpo")
-    grpo.setup(policy, train_config(max_new_tokens=6))
-    dr.setup(policy, train_config(max_new_tokens=6))
+    grpo = learner_for(grpo, policy, train_config(max_new_tokens=6))
+    dr = learner_for(dr, policy, train_config(max_new_tokens=6))
     b_g = grpo.prepare(shifted_batch(policy))
     b_d = dr.prepare(shifted_batch(policy))
     adv_g, adv_d = group_norm(REWARDS, 3, True, 1e-4), group_norm(REWARDS, 3, False, 0.0)
@@ -162,21 +161,19 @@ def test_dr_grpo_differs_from_grpo_in_scale_and_aggregation():
     beh = b_g.behaviour_logprobs.double()
     want_g = m.token_mean(clipped_surrogate(logp, beh, adv_g, 0.2, 0.2)[0])
     want_d = m.seq_mean_token_sum_norm(clipped_surrogate(logp, beh, adv_d, 0.2, 0.2)[0], 6)
-    loss_g, _ = grpo.loss(policy, b_g)
-    loss_d, _ = dr.loss(policy, b_d)
+    loss_g, _ = grpo.loss(b_g)
+    loss_d, _ = dr.loss(b_d)
     assert loss_g.item() == pytest.approx(want_g, rel=1e-5, abs=1e-6)
     assert loss_d.item() == pytest.approx(want_d, rel=1e-5, abs=1e-6)
     assert abs(want_g - want_d) > 1e-3
     # Dr.GRPO's constant normaliser: the same row gives the same per-row loss whatever the others' lengths.
-    dr_long = build("dr_grpo", loss_norm_length=12)
-    dr_long.setup(policy, train_config())
-    assert dr_long.loss(policy, b_d)[0].item() == pytest.approx(loss_d.item() * 6 / 12, rel=1e-5)
+    dr_long = learner_for(build("dr_grpo", loss_norm_length=12), policy, train_config())
+    assert dr_long.loss(b_d)[0].item() == pytest.approx(loss_d.item() * 6 / 12, rel=1e-5)
 
 
 def test_group_errors_reach_the_user():
     policy = ToyPolicy()
-    algo = build("grpo")
-    algo.setup(policy, train_config())
+    algo = learner_for(build("grpo"), policy, train_config())
     with pytest.raises(ValueError, match="group 0 appears again at row 4"):
         algo.prepare(shifted_batch(policy, groups=[0, 0, 1, 1, 0, 0]))
 
@@ -184,18 +181,17 @@ def test_group_errors_reach_the_user():
 # ---- the update loop ------------------------------------------------------------------------------------------
 def test_update_reports_pre_clip_norm_and_update_ratio():
     policy = ToyPolicy()
-    algo = build("grpo")
-    algo.setup(policy, train_config(max_grad_norm=1e-3, lr=0.05))
+    algo = learner_for(build("grpo"), policy, train_config(max_grad_norm=1e-3, lr=0.05))
     batch = algo.prepare(shifted_batch(policy))
 
     twin = copy.deepcopy(policy)  # the unclipped gradient, computed outside update()
-    loss, _ = algo.loss(twin, batch)
+    loss, _ = learner_for(build("grpo"), twin, train_config(max_grad_norm=1e-3, lr=0.05)).loss(batch)
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in twin.parameters() if p.grad is not None))
     assert norm > 1e-2  # so that clipping to 1e-3 matters
 
     before = [p.detach().clone() for p in policy.parameters()]
-    metrics = algo.update(policy, batch)
+    metrics = algo.update(batch)
     assert metrics["grad/norm"] == pytest.approx(norm, rel=1e-5)
     # AdamW's first moment after one step is (1 - beta1) * the clipped gradient.
     m1 = math.sqrt(sum(float(algo.optimizer.state[p]["exp_avg"].double().square().sum()) for p in policy.parameters()))
@@ -213,9 +209,8 @@ def test_the_update_ratio_can_be_switched_off_and_the_step_is_the_same():
     for track in (True, False):
         torch.manual_seed(0)
         policy = ToyPolicy()
-        algo = build("grpo")
-        algo.setup(policy, train_config(track_update_ratio=track, lr=0.05))
-        metrics = algo.update(policy, algo.prepare(shifted_batch(policy)))
+        algo = learner_for(build("grpo"), policy, train_config(track_update_ratio=track, lr=0.05))
+        metrics = algo.update(algo.prepare(shifted_batch(policy)))
         assert ("grad/update_ratio" in metrics) is track
         runs.append([p.detach().clone() for p in policy.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
@@ -223,13 +218,12 @@ def test_the_update_ratio_can_be_switched_off_and_the_step_is_the_same():
 
 def test_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     policy = ToyPolicy()
-    algo = build("grpo")
-    algo.setup(policy, train_config())
+    algo = learner_for(build("grpo"), policy, train_config())
     batch = algo.prepare(shifted_batch(policy))
     batch.advantages[2] = float("nan")
     before = [p.detach().clone() for p in policy.parameters()]
     with caplog.at_level("WARNING", logger="palestra.engine.learner"):
-        metrics = algo.update(policy, batch)
+        metrics = algo.update(batch)
     assert metrics["train/skipped"] == 1.0
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert [r.getMessage() for r in caplog.records] == [
@@ -237,21 +231,46 @@ def test_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     ]
 
 
-def test_update_needs_setup_and_the_same_policy():
-    algo = build("grpo")
-    with pytest.raises(RuntimeError, match=r"grpo.prepare: call setup"):
-        algo.prepare(make_batch(REWARDS, GROUPS))
+def test_a_partly_taken_update_counts_and_reports_its_good_passes(caplog):
+    """Bug: with updates_per_batch=2 and a non-finite second pass, update reported train/skipped=1.0 although the
+    first pass had stepped (weights moved, AdamW's step 1), and the LR schedule, replay and metrics ignored it."""
+
+    class NaNFromSecondCall(GRPO):
+        calls = 0
+
+        def loss(self, batch, scores):
+            loss, metrics = super().loss(batch, scores)
+            self.calls += 1
+            return (loss * float("nan") if self.calls > 1 else loss), metrics
+
     policy = ToyPolicy()
-    algo.setup(policy, train_config())
-    with pytest.raises(ValueError, match="not the one given to setup"):
-        algo.update(ToyPolicy(), algo.prepare(shifted_batch(policy)))
+    learner = learner_for(NaNFromSecondCall(replay_capacity=2, replay_rows=2), policy, train_config(updates_per_batch=2))
+    batch = learner.prepare(shifted_batch(policy))
+    before = [p.detach().clone() for p in policy.parameters()]
+    with caplog.at_level("WARNING", logger="palestra.engine.learner"):
+        metrics = learner.update(batch)
+    assert any(not torch.equal(a, p) for a, p in zip(before, policy.parameters()))  # the first pass stepped
+    assert max(int(s["step"]) for s in learner.optimizer.state.values()) == 1
+    assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_passes"] == 1.0
+    assert learner.scheduler.last_epoch == 1  # the schedule follows the step that was taken
+    assert learner.replay.stored_rows == 6  # the batch joined the replay buffer
+    assert math.isfinite(metrics["loss"]) and "grad/norm" in metrics  # the good pass's metrics
+    assert [r.getMessage() for r in caplog.records] == [
+        "grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 1, micro-batch 0 (6 rows)"
+    ]
+
+
+def test_the_learner_needs_a_train_context():
+    from palestra.engine.learner import Learner
+
+    with pytest.raises(TypeError, match="context must be a palestra.TrainContext, got TrainConfig"):
+        Learner(build("grpo"), ToyPolicy(), train_config())
 
 
 # ---- RLOO ------------------------------------------------------------------------------------------------------
 def test_rloo_advantages_and_loss_match_hand_computation():
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = build("rloo", kl_coef=0.1, clip_eps=0.15)
-    algo.setup(policy, train_config(), reference=reference)
+    algo = learner_for(build("rloo", kl_coef=0.1, clip_eps=0.15), policy, train_config(), reference=reference)
     batch = algo.prepare(shifted_batch(policy))
     beh = batch.behaviour_logprobs.double()
     ref = reference_logprobs(reference, batch)
@@ -266,7 +285,7 @@ def test_rloo_advantages_and_loss_match_hand_computation():
     logp = reference_logprobs(policy, batch)
     per_token, _, clipped = clipped_surrogate(logp, beh, adv, 0.15, 0.15)
     m = Masked(batch.completion_mask)
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(per_token), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6) and metrics["policy/clip_frac"] > 0
     assert metrics["policy/kl"] == pytest.approx(m.token_mean(logp - ref), rel=1e-5)  # k1 of the current policy
@@ -274,8 +293,7 @@ def test_rloo_advantages_and_loss_match_hand_computation():
 
 def test_rloo_needs_two_completions_per_prompt():
     policy = ToyPolicy()
-    algo = build("rloo", kl_coef=0.0)
-    algo.setup(policy, train_config())
+    algo = learner_for(build("rloo", kl_coef=0.0), policy, train_config())
     with pytest.raises(ValueError, match=r"^rloo: the leave-one-out baseline needs at least 2 completions per prompt"):
         algo.prepare(shifted_batch(policy, groups=[0, 1, 2, 3, 4, 5]))
 
@@ -283,8 +301,7 @@ def test_rloo_needs_two_completions_per_prompt():
 # ---- REINFORCE++ ----------------------------------------------------------------------------------------------
 def test_reinforce_pp_advantages_and_loss_match_hand_computation():
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = build("reinforce_pp", kl_coef=0.1, gamma=0.9)
-    algo.setup(policy, train_config(), reference=reference)
+    algo = learner_for(build("reinforce_pp", kl_coef=0.1, gamma=0.9), policy, train_config(), reference=reference)
     batch = algo.prepare(shifted_batch(policy))
     beh = batch.behaviour_logprobs.double()
     ref = reference_logprobs(reference, batch)
@@ -302,7 +319,7 @@ def test_reinforce_pp_advantages_and_loss_match_hand_computation():
     logp = reference_logprobs(policy, batch)
     per_token, _, clipped = clipped_surrogate(logp, beh, adv, 0.2, 0.2)
     m = Masked(batch.completion_mask)
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(per_token), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
     assert metrics["policy/clip_frac"] > 0
@@ -313,8 +330,7 @@ def test_ppo_gae_value_clipping_and_loss_match_hand_computation():
     from algo_helpers import reference_values
 
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = build("ppo", kl_coef=0.1, gamma=0.9, lam=0.8, clip_value=0.05, vf_coef=0.5)
-    algo.setup(policy, train_config(), reference=reference)
+    algo = learner_for(build("ppo", kl_coef=0.1, gamma=0.9, lam=0.8, clip_value=0.05, vf_coef=0.5), policy, train_config(), reference=reference)
     assert policy.value_head is not None
     torch.nn.init.normal_(policy.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(3))
     batch = algo.prepare(shifted_batch(policy))
@@ -347,13 +363,13 @@ def test_ppo_gae_value_clipping_and_loss_match_hand_computation():
     vf = torch.maximum(0.5 * (values - returns) ** 2, 0.5 * (v_clip - returns) ** 2)
     assert ((values - old).abs() > 0.05)[batch.completion_mask].any()  # clipping matters for some tokens
     m = Masked(batch.completion_mask)
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(surrogate + 0.5 * vf), rel=1e-5, abs=1e-6)
     assert metrics["value/loss"] == pytest.approx(m.token_mean(vf), rel=1e-5)
 
     r, v = returns[batch.completion_mask], values[batch.completion_mask]
     want_ev = 1 - float((r - v).var(unbiased=False) / r.var(unbiased=False))
-    out = algo.update(policy, batch)
+    out = algo.update(batch)
     assert out["value/explained_var"] == pytest.approx(want_ev, rel=1e-5)
     assert "value/loss" in out and "policy/kl" in out
 
@@ -361,8 +377,7 @@ def test_ppo_gae_value_clipping_and_loss_match_hand_computation():
 # ---- REINFORCE --------------------------------------------------------------------------------------------------
 def test_reinforce_per_agent_running_normalisation():
     policy = ToyPolicy()
-    algo = build("reinforce", norm_clip=1.5)
-    algo.setup(policy, train_config())
+    algo = learner_for(build("reinforce", norm_clip=1.5), policy, train_config())
     agents = ["ask", "answer"] * 3
     r1, r2 = [1.0, 10.0, 2.0, 20.0, 0.0, 30.0], [3.0, 40.0, 1.0, 10.0, 5.0, 20.0]
     algo.prepare(shifted_batch(policy, rewards=r1, agent_ids=agents))
@@ -382,25 +397,23 @@ def test_reinforce_per_agent_running_normalisation():
     judge = torch.tensor([100.0, 50.0, 60.0], dtype=torch.float64)
     want = [float((x - s.mean()) / math.sqrt(s.var(unbiased=False) + 1e-8)) for x, s in zip(r3, [ask, judge] * 3)]
     assert batch.advantages.tolist() == pytest.approx([max(-1.5, min(1.5, w)) for w in want], rel=1e-6)
-    assert algo.agents == {"ask": 0, "answer": 1, "judge": 2}
+    assert algo.algorithm.agents == {"ask": 0, "answer": 1, "judge": 2}
 
-    grouped = build("reinforce", normalize=False, baseline="group")
-    grouped.setup(policy, train_config())
+    grouped = learner_for(build("reinforce", normalize=False, baseline="group"), policy, train_config())
     batch = grouped.prepare(shifted_batch(policy))
     assert batch.advantages.double().tolist() == pytest.approx(group_norm(REWARDS, 3, False, 0.0).tolist(), abs=1e-6)
 
 
 def test_reinforce_replay_uses_truncated_importance_weights():
     policy = ToyPolicy()
-    algo = build("reinforce", replay_capacity=2, replay_rows=4, replay_is_clip=1.1, entropy_coef=0.02)
-    algo.setup(policy, train_config(lr=0.05))
+    algo = learner_for(build("reinforce", replay_capacity=2, replay_rows=4, replay_is_clip=1.1, entropy_coef=0.02), policy, train_config(lr=0.05))
     first = algo.prepare(shifted_batch(policy, seed=1, scale=0.0))
-    algo.update(policy, first)  # the policy moves: first's behaviour log-probs are now stale
+    algo.update(first)  # the policy moves: first's behaviour log-probs are now stale
     fresh = algo.prepare(shifted_batch(policy, seed=2, scale=0.0, lengths=[2, 5, 5, 3, 4, 4]))
     plain = build("reinforce")  # c = 1: on-policy rows (ratio 1 up to rounding) do not count as truncated
-    plain.setup(policy, train_config())
-    assert plain.loss(policy, fresh)[1]["policy/clip_frac"] == 0.0
-    rows = algo.batch_for_update(fresh)
+    plain = learner_for(plain, policy, train_config())
+    assert plain.loss(fresh)[1]["policy/clip_frac"] == 0.0
+    rows = algo.rows_for_update(fresh)
     assert rows.batch_size == 10
     assert torch.equal(rows.completion_ids[:6, :5], fresh.completion_ids)
     old_rows = {tuple(r) for r in first.completion_ids.tolist()}
@@ -414,7 +427,7 @@ def test_reinforce_replay_uses_truncated_importance_weights():
     m = Masked(rows.completion_mask)
     stale = ratio[6:][rows.completion_mask[6:]]
     assert (stale > 1.1).any() and (stale < 1.0).any()  # truncation is active on some replayed tokens
-    loss, metrics = algo.loss(policy, rows)
+    loss, metrics = algo.loss(rows)
     assert loss.item() == pytest.approx(m.token_mean(per_token), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean((ratio > 1.1).double()), abs=1e-6)
     assert metrics["policy/clip_frac"] > 0
@@ -425,13 +438,12 @@ def test_reinforce_replay_uses_truncated_importance_weights():
 
 def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipped_loss():
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = build("grpo", beta=0.3, replay_capacity=2, replay_rows=4)
-    algo.setup(policy, train_config(lr=0.05), reference=reference)
+    algo = learner_for(build("grpo", beta=0.3, replay_capacity=2, replay_rows=4), policy, train_config(lr=0.05), reference=reference)
     first = algo.prepare(shifted_batch(policy, seed=1, scale=0.0))
-    assert algo.batch_for_update(first) is first  # nothing stored yet
-    algo.update(policy, first)  # the policy moves: first's behaviour log-probs are now stale
+    assert algo.rows_for_update(first) is first  # nothing stored yet
+    algo.update(first)  # the policy moves: first's behaviour log-probs are now stale
     fresh = algo.prepare(shifted_batch(policy, seed=2, scale=0.0, lengths=[2, 5, 5, 3, 4, 4]))
-    rows = algo.batch_for_update(fresh)
+    rows = algo.rows_for_update(fresh)
     assert rows.batch_size == 10
     assert torch.equal(rows.completion_ids[:6, :5], fresh.completion_ids)
     old = {tuple(r): i for i, r in enumerate(first.completion_ids.tolist())}
@@ -445,7 +457,7 @@ def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipp
     surrogate, ratio, clipped = clipped_surrogate(logp, rows.behaviour_logprobs.double(), rows.advantages.double(), 0.2, 0.2)
     k3 = torch.exp(ref - logp) - 1 - (ref - logp)
     m = Masked(rows.completion_mask)
-    loss, metrics = algo.loss(policy, rows)
+    loss, metrics = algo.loss(rows)
     assert loss.item() == pytest.approx(m.token_mean(surrogate + 0.3 * k3), rel=1e-5, abs=1e-6)
     assert clipped[6:][rows.completion_mask[6:]].any()  # the clip bounds some stale tokens
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
@@ -454,7 +466,7 @@ def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipp
         build("grpo", replay_rows=2)
     dapo = build("dapo", replay_capacity=2, replay_rows=4)
     with pytest.raises(ConfigError, match=r"^optimizer\.options\.replay_capacity: dapo does not replay"):
-        dapo.setup(ToyPolicy(), train_config())
+        dapo = learner_for(dapo, ToyPolicy(), train_config())
 
 
 def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_informative_rows_only_when_asked():
@@ -462,8 +474,7 @@ def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_i
     from palestra.types import Experience
 
     policy = ToyPolicy()
-    algo = build("grpo")
-    algo.setup(policy, train_config())
+    algo = learner_for(build("grpo"), policy, train_config())
     # three stored batches of different completion widths, then a fresh one; rewards with one tied group each
     batches = [algo.prepare(shifted_batch(policy, seed=s, lengths=lengths, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
                for s, lengths in ((1, [2, 3, 3, 1, 2, 3]), (2, [4, 5, 5, 3, 4, 4]), (3, [1, 1, 2, 1, 1, 1]))]
@@ -503,39 +514,33 @@ def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_i
 
 def test_replay_informative_only_is_an_option_and_checkpoints_keep_the_buffer():
     policy = ToyPolicy()
-    algo = build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True)
-    algo.setup(policy, train_config())
-    batch = algo.prepare(shifted_batch(policy, seed=1, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
-    algo.update(policy, batch)
-    assert algo.replay is not None and algo.replay.stored_rows == 3
-    state = algo.extra_state()
-    assert set(state) == {"replay"}
-    again = build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True)
-    again.setup(policy, train_config())
-    again.load_extra_state(state)
-    assert torch.equal(again.replay.batches[0].completion_ids, algo.replay.batches[0].completion_ids)
+    learner = learner_for(build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config())
+    batch = learner.prepare(shifted_batch(policy, seed=1, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
+    learner.update(batch)
+    assert learner.replay is not None and learner.replay.stored_rows == 3
+    state = learner.state_dict()
+    assert set(state["extra"]) == {"replay"}
+    again = learner_for(build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config())
+    again.load_state_dict(state)
+    assert torch.equal(again.replay.batches[0].completion_ids, learner.replay.batches[0].completion_ids)
     with pytest.raises(KeyError, match="replay is on but the checkpoint has no replay buffer"):
-        again.load_extra_state({})
-    assert build("grpo").replay is None and build("grpo").extra_state() == {}
+        again.load_state_dict({**state, "extra": {}})
+    plain = learner_for(build("grpo"), policy, train_config())
+    assert plain.replay is None and plain.state_dict()["extra"] == {}
 
 
-def test_reinforce_loads_a_checkpoint_that_kept_its_buffer_under_the_old_key():
+def test_reinforce_keeps_its_running_statistics_beside_the_learners_replay_buffer():
     policy = ToyPolicy()
-    algo = build("reinforce", replay_capacity=2, replay_rows=3)
-    algo.setup(policy, train_config())
-    algo.update(policy, algo.prepare(shifted_batch(policy, seed=1)))
-    state = algo.extra_state()
-    assert set(state) == {"replay", "agents", "moments"}
-    old = {"agents": state["agents"], "moments": state["moments"], "buffer": state["replay"]}
-    again = build("reinforce", replay_capacity=2, replay_rows=3)
-    again.setup(policy, train_config())
-    again.load_extra_state(old)
-    assert again.replay.stored_rows == 6
-    plain = build("reinforce")  # replay off: an old checkpoint's empty buffer loads, a full one is refused
-    plain.setup(policy, train_config())
-    plain.load_extra_state({**old, "buffer": []})
-    with pytest.raises(KeyError, match="unexpected extra state keys"):
-        plain.load_extra_state(old)
+    learner = learner_for(build("reinforce", replay_capacity=2, replay_rows=3), policy, train_config())
+    learner.update(learner.prepare(shifted_batch(policy, seed=1)))
+    state = learner.state_dict()
+    assert set(state["extra"]) == {"replay", "agents", "moments"}
+    again = learner_for(build("reinforce", replay_capacity=2, replay_rows=3), policy, train_config())
+    again.load_state_dict(state)
+    assert again.replay.stored_rows == 6 and again.algorithm.agents == learner.algorithm.agents
+    plain = learner_for(build("reinforce"), policy, train_config())  # replay off: a buffer in the state is refused
+    with pytest.raises(KeyError, match="extra state has keys"):
+        plain.load_state_dict({**plain.state_dict(), "extra": state["extra"]})
 
 
 # ---- every algorithm: checkpoints and gradient accumulation ----------------------------------------------------
@@ -546,13 +551,12 @@ OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}, "grpo": {"repl
 def _setup(name: str, seed: int = 0, **train):
     policy = ToyPolicy(seed)
     algo = build(name, **OPTIONS.get(name, {}))
-    algo.setup(policy, train_config(**train), reference=ToyPolicy(5) if algo.needs_reference else None)
-    return policy, algo
+    return policy, learner_for(algo, policy, train_config(**train), reference=ToyPolicy(5) if algo.needs_reference else None)
 
 
 def _step(policy, algo, seed: int) -> dict[str, float]:
     batch = algo.prepare(shifted_batch(policy, seed=seed, scale=0.05))
-    return algo.update(policy, batch)
+    return algo.update(batch)
 
 
 @pytest.mark.parametrize("name", ALL)

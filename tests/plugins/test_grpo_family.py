@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from algo_helpers import Masked, ToyPolicy, make_batch, reference_scores, train_config as base_config, with_behaviour
+from algo_helpers import Masked, ToyPolicy, learner_for, make_batch, reference_scores, train_config as base_config, with_behaviour
 from palestra.config import ConfigError
-from palestra.engine.learner import Algorithm
+from palestra.engine.algorithm import Algorithm
+from palestra.engine.learner import Learner
 from palestra.plugin_manager import get_registry
 
 torch.set_num_threads(1)
@@ -46,7 +47,7 @@ def group_adv(rewards, g: int = 3, eps: float = 1e-4) -> torch.Tensor:
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
 
 
-def first_moment_grads(algo: Algorithm, policy: ToyPolicy) -> list[torch.Tensor]:
+def first_moment_grads(algo: Learner, policy: ToyPolicy) -> list[torch.Tensor]:
     """The gradient of the one step taken: AdamW's first moment after one step is (1 - beta1) * grad."""
     return [algo.optimizer.state[p]["exp_avg"] / 0.1 for p in policy.parameters()]
 
@@ -73,20 +74,19 @@ def test_option_errors_name_the_option():
         build("gspo", loss_agg="sum")
     policy = ToyPolicy()
     with pytest.raises(ConfigError, match=r"^train\.group_size: cispo's group-relative advantages need at least 2"):
-        build("cispo").setup(policy, train_config(group_size=1))
+        learner_for(build("cispo"), policy, train_config(group_size=1))
 
 
 # ---- DAPO ------------------------------------------------------------------------------------------------------------
 def test_dapo_trains_only_on_informative_groups_with_clip_higher():
     policy = ToyPolicy()
-    algo = build("dapo", entropy_coef=0.01)
-    algo.setup(policy, train_config())
+    algo = learner_for(build("dapo", entropy_coef=0.01), policy, train_config())
     batch = algo.prepare(shifted_batch(policy))
     adv = group_adv(REWARDS)
     torch.testing.assert_close(batch.advantages.double(), adv, rtol=1e-5, atol=1e-6)
     assert not batch.advantages[3:6].any()  # the tied group
 
-    rows = algo.batch_for_update(batch)
+    rows = algo.rows_for_update(batch)
     assert rows.group_ids.tolist() == [0, 0, 0, 9, 9, 9]
     kept = torch.tensor([0, 1, 2, 6, 7, 8])
     logp, ent = reference_scores(policy, rows)
@@ -97,14 +97,14 @@ def test_dapo_trains_only_on_informative_groups_with_clip_higher():
     clipped = ((ratio > 1.28) & (a > 0)) | ((ratio < 0.8) & (a < 0))
     only_higher = (ratio > 1.2) & (ratio <= 1.28) & (a > 0)  # kept by clip-higher, cut by a symmetric 0.2
     assert 0 < m.token_mean(clipped.double()) < 1 and (only_higher & rows.completion_mask).any()
-    loss, metrics = algo.loss(policy, rows)
+    loss, metrics = algo.loss(rows)
     assert loss.item() == pytest.approx(m.token_mean(per_token), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
 
     # The update's gradient is that loss's gradient: the tied group plays no part, not even through the entropy.
     twin = ToyPolicy()
-    algo.loss(twin, rows)[0].backward()
-    metrics = algo.update(policy, batch)
+    learner_for(build("dapo", entropy_coef=0.01), twin, train_config()).loss(rows)[0].backward()
+    metrics = algo.update(batch)
     for got, p in zip(first_moment_grads(algo, policy), twin.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7)
     assert metrics["dapo/kept_groups_frac"] == pytest.approx(2 / 3)
@@ -117,12 +117,11 @@ def test_dapo_row_weights_give_the_selection_gradient_when_rows_are_too_few_to_s
     grads = []
     for k in (1, 9):
         policy = ToyPolicy()
-        algo = build("dapo", loss_agg=loss_agg, entropy_coef=0.01)
-        algo.setup(policy, train_config(grad_accum=k))
+        algo = learner_for(build("dapo", loss_agg=loss_agg, entropy_coef=0.01), policy, train_config(grad_accum=k))
         batch = algo.prepare(shifted_batch(policy))
-        rows = algo.batch_for_update(batch)
+        rows = algo.rows_for_update(batch)
         assert rows.batch_size == (6 if k == 1 else 9) and ("dapo_row_weight" in rows.extras) == (k == 9)
-        metrics = algo.update(policy, batch)
+        metrics = algo.update(batch)
         grads.append((first_moment_grads(algo, policy), metrics))
     for a, b in zip(grads[0][0], grads[1][0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
@@ -131,12 +130,11 @@ def test_dapo_row_weights_give_the_selection_gradient_when_rows_are_too_few_to_s
 
 def test_dapo_update_is_a_no_op_when_every_group_ties(caplog):
     policy = ToyPolicy()
-    algo = build("dapo")
-    algo.setup(policy, train_config(lr_schedule="linear", warmup_steps=2, steps=4))
+    algo = learner_for(build("dapo"), policy, train_config(lr_schedule="linear", warmup_steps=2, steps=4))
     before = [p.detach().clone() for p in policy.parameters()]
     batch = algo.prepare(shifted_batch(policy, rewards=[0.5] * 3 + [0.0] * 3 + [1.0] * 3))
     with caplog.at_level("INFO", logger="palestra.plugins.optimizers.grpo_family"):
-        metrics = algo.update(policy, batch)
+        metrics = algo.update(batch)
     assert metrics["dapo/empty_update"] == 1.0 and metrics["dapo/kept_groups_frac"] == 0.0
     assert metrics["train/skipped"] == 0.0 and metrics["loss"] == 0.0
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
@@ -148,20 +146,19 @@ def test_dapo_update_is_a_no_op_when_every_group_ties(caplog):
 def test_dapo_without_dynamic_sampling_is_grpo_with_clip_higher():
     policy = ToyPolicy()
     dapo, grpo = build("dapo", dynamic_sampling=False), build("grpo", clip_eps_high=0.28)
-    dapo.setup(policy, train_config())
-    grpo.setup(policy, train_config())
+    dapo = learner_for(dapo, policy, train_config())
+    grpo = learner_for(grpo, policy, train_config())
     batch = dapo.prepare(shifted_batch(policy))
-    assert dapo.batch_for_update(batch) is batch
-    assert dapo.loss(policy, batch)[0].item() == pytest.approx(grpo.loss(policy, batch)[0].item(), rel=1e-6)
+    assert dapo.rows_for_update(batch) is batch
+    assert dapo.loss(batch)[0].item() == pytest.approx(grpo.loss(batch)[0].item(), rel=1e-6)
 
 
 def test_dapo_tie_tolerance():
     policy = ToyPolicy()
     rewards = [1.0, 0.0, 0.5, 0.2, 0.2005, 0.2, 0.0, 1.0, 1.0]
     for tol, groups in ((0.0, [0, 7, 9]), (1e-3, [0, 9])):
-        algo = build("dapo", tie_tolerance=tol)
-        algo.setup(policy, train_config())
-        rows = algo.batch_for_update(algo.prepare(shifted_batch(policy, rewards=rewards)))
+        algo = learner_for(build("dapo", tie_tolerance=tol), policy, train_config())
+        rows = algo.rows_for_update(algo.prepare(shifted_batch(policy, rewards=rewards)))
         assert sorted(set(rows.group_ids.tolist())) == groups
 
 
@@ -171,7 +168,7 @@ def test_dapo_refill_options_are_checked():
         build("dapo", refill_rounds=-1)
     algo = build("dapo", dynamic_sampling=False, refill_rounds=2)
     with pytest.raises(ConfigError, match=r"^optimizer\.options\.refill_rounds: refills replace the tied groups"):
-        algo.setup(ToyPolicy(), train_config())
+        algo = learner_for(algo, ToyPolicy(), train_config())
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3])
@@ -179,12 +176,11 @@ def test_dapo_with_refill_counts_the_groups_short_and_keeps_the_first_informativ
     """Groups 0 and 9 carry a signal, 7 ties: an update of ``batch_size`` groups lacks max(0, batch_size - 2) and
     trains on the first min(batch_size, 2) informative groups, in sampling order."""
     policy = ToyPolicy()
-    algo = build("dapo", refill_rounds=1)
-    algo.setup(policy, train_config(batch_size=batch_size))
-    assert algo.refill_rounds == 1 and build("dapo").refill_rounds == 0
+    algo = learner_for(build("dapo", refill_rounds=1), policy, train_config(batch_size=batch_size))
+    assert algo.algorithm.refill_rounds == 1 and build("dapo").refill_rounds == 0
     batch = algo.prepare(shifted_batch(policy))
-    assert algo.groups_short(batch) == max(0, batch_size - 2)
-    rows = algo.batch_for_update(batch)
+    assert algo.algorithm.groups_short(batch) == max(0, batch_size - 2)
+    rows = algo.rows_for_update(batch)
     assert rows.group_ids.tolist() == [0, 0, 0, 9, 9, 9][: 3 * min(batch_size, 2)]
     torch.testing.assert_close(rows.advantages.double(), group_adv(REWARDS)[[0, 1, 2, 6, 7, 8]][: rows.batch_size],
                                rtol=1e-5, atol=1e-6)
@@ -239,8 +235,7 @@ def test_the_trainer_does_not_refill_a_batch_that_is_already_full(tmp_path):
 # ---- GSPO and CISPO -------------------------------------------------------------------------------------------------
 def test_gspo_loss_matches_hand_computation():
     policy = ToyPolicy()
-    algo = build("gspo", clip_eps=0.05, clip_eps_high=0.08, entropy_coef=0.01)
-    algo.setup(policy, train_config())
+    algo = learner_for(build("gspo", clip_eps=0.05, clip_eps_high=0.08, entropy_coef=0.01), policy, train_config())
     batch = algo.prepare(shifted_batch(policy, scale=0.15))
     torch.testing.assert_close(batch.advantages.double(), group_adv(REWARDS), rtol=1e-5, atol=1e-6)
     adv = batch.advantages.double()  # the tied group's exact zeros (float64 rounding leaves +-1e-13 there)
@@ -253,7 +248,7 @@ def test_gspo_loss_matches_hand_computation():
     per_token = seq_loss[:, None].expand_as(logp) - 0.01 * ent
     clipped = ((s > 1.08) & (adv > 0)) | ((s < 0.95) & (adv < 0))
     assert 0 < int(clipped.sum()) < int((adv != 0).sum())  # some sequences clipped, not all
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.seq_mean_token_mean(per_token), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped[:, None].expand_as(logp).double()), abs=1e-6)
     assert metrics["policy/ratio_mean"] == pytest.approx(m.token_mean(s[:, None].expand_as(logp)), rel=1e-5)
@@ -263,8 +258,7 @@ def test_gspo_loss_matches_hand_computation():
 @pytest.mark.parametrize("clip_eps", [None, 0.3])
 def test_cispo_loss_matches_hand_computation(clip_eps):
     policy = ToyPolicy()
-    algo = build("cispo", clip_eps=clip_eps, clip_eps_high=0.25)
-    algo.setup(policy, train_config())
+    algo = learner_for(build("cispo", clip_eps=clip_eps, clip_eps_high=0.25), policy, train_config())
     batch = algo.prepare(shifted_batch(policy))
     torch.testing.assert_close(batch.advantages.double(), group_adv(REWARDS), rtol=1e-5, atol=1e-6)
     adv = batch.advantages.double()[:, None]
@@ -274,7 +268,7 @@ def test_cispo_loss_matches_hand_computation(clip_eps):
     m = Masked(batch.completion_mask)
     clipped = (ratio > 1.25) | ((ratio < 1 - clip_eps) if clip_eps is not None else torch.zeros_like(ratio, dtype=torch.bool))
     assert 0 < m.token_mean(clipped.double()) < 1
-    loss, metrics = algo.loss(policy, batch)
+    loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(-weight * adv * logp), rel=1e-5, abs=1e-6)
     assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
 
@@ -285,9 +279,8 @@ def test_grad_accum_gives_the_full_batch_gradient(name):
     grads = []
     for k in (1, 3):
         policy = ToyPolicy()
-        algo = build(name)
-        algo.setup(policy, train_config(grad_accum=k, updates_per_batch=1))
-        metrics = algo.update(policy, algo.prepare(shifted_batch(policy, scale=0.05)))
+        algo = learner_for(build(name), policy, train_config(grad_accum=k, updates_per_batch=1))
+        metrics = algo.update(algo.prepare(shifted_batch(policy, scale=0.05)))
         grads.append((first_moment_grads(algo, policy), metrics))
     for a, b in zip(grads[0][0], grads[1][0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -298,13 +291,12 @@ def test_grad_accum_gives_the_full_batch_gradient(name):
 def test_a_few_steps_raise_the_log_prob_of_the_best_completions(name):
     """Repeated updates on one batch: the rows with positive advantage become likelier, the negative ones less."""
     policy = ToyPolicy()
-    algo = build(name)
-    algo.setup(policy, train_config(lr=0.05, updates_per_batch=2))
+    algo = learner_for(build(name), policy, train_config(lr=0.05, updates_per_batch=2))
     batch = algo.prepare(shifted_batch(policy, scale=0.0))
     mask = batch.completion_mask
     before = (reference_scores(policy, batch)[0] * mask).sum(-1)
     for _ in range(4):
-        metrics = algo.update(policy, batch)
+        metrics = algo.update(batch)
         assert all(math.isfinite(v) for v in metrics.values())
     change = (reference_scores(policy, batch)[0] * mask).sum(-1) - before
     adv = batch.advantages

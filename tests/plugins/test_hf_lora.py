@@ -170,7 +170,7 @@ def test_the_trainer_optimises_only_adapters_against_the_frozen_base(folders: di
     trainer = Trainer(make_config(folders["qwen2"], tmp_path, algorithm=algorithm), run_dir=tmp_path / "run")
     policy = trainer.policy
     assert type(trainer.reference).__name__ == "BaseReference"  # no deep copy of the model
-    optimised = {id(p) for opt in trainer.algorithm.optimizers.values() for g in opt.param_groups for p in g["params"]}
+    optimised = {id(p) for opt in trainer.learner.optimizers.values() for g in opt.param_groups for p in g["params"]}
     names = {n for n, p in policy.named_parameters() if id(p) in optimised}
     heads = {"value_head.weight", "value_head.bias"} if algorithm == "ppo" else set()
     assert names == {n for n in policy.adapter_state_dict() if "lora_" in n} | heads  # the value head stays trainable

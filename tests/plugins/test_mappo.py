@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 from palestra.config import AgentsConfig, TrainConfig
+from palestra.context import TrainContext
+from palestra.engine.learner import Learner
 from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
@@ -74,8 +76,7 @@ def build(*, shared=("embedding", "encoder"), independent=("decoder",), update_f
         tiny_policy(), AgentsConfig(list(shared), list(independent), update_frequency, credit), AGENTS
     )
     algo = get_registry().get("optimizer", "mappo").factory(**options)
-    algo.setup(policy, train_config(**(train or {})))
-    return policy, algo
+    return policy, Learner(algo, policy, TrainContext.local(train_config(**(train or {}))))
 
 
 GEN = None
@@ -102,7 +103,7 @@ def test_per_agent_optimisers_are_separate_objects_covering_exactly_their_parame
         held = [p for g in algo.optimizers[name].param_groups for p in g["params"]]
         assert [id(p) for p in held] == [id(p) for p in params]
     critic = [p for g in algo.optimizers["critic"].param_groups for p in g["params"]]
-    assert [id(p) for p in critic] == [id(p) for p in algo.critic.parameters()]
+    assert [id(p) for p in critic] == [id(p) for p in algo.algorithm.critic.parameters()]
     assert not {id(p) for p in critic} & {id(p) for p in policy.parameters()}, "the critic is its own network"
     assert {id(p) for p in policy.agent_parameters("left")} == {id(policy.for_agent("left").lm_head.weight),
                                                                 id(policy.for_agent("left").norm.weight)}
@@ -113,7 +114,7 @@ def test_per_agent_optimisers_are_separate_objects_covering_exactly_their_parame
 def test_each_agent_is_clipped_on_its_own() -> None:
     policy, algo = build(train={"max_grad_norm": 1e-3})
     exp, _, _ = rollout(policy, algo, 0)
-    metrics = algo.update(policy, algo.prepare(exp))
+    metrics = algo.update(algo.prepare(exp))
     for name in ("left", "right", "critic"):
         assert metrics[f"grad/norm/{name}"] > 1e-3  # the pre-clip norm is reported...
     for p in policy.agent_parameters("left"):
@@ -125,10 +126,10 @@ def test_a_non_finite_loss_skips_the_update_and_leaves_every_parameter_alone() -
     exp = algo.prepare(rollout(policy, algo, 0)[0])
     exp.advantages = exp.advantages.clone()
     exp.advantages[0] = float("nan")
-    before = [p.detach().clone() for p in [*policy.parameters(), *algo.critic.parameters()]]
-    metrics = algo.update(policy, exp)
+    before = [p.detach().clone() for p in [*policy.parameters(), *algo.algorithm.critic.parameters()]]
+    metrics = algo.update(exp)
     assert metrics["train/skipped"] == 1.0
-    after = [*policy.parameters(), *algo.critic.parameters()]
+    after = [*policy.parameters(), *algo.algorithm.critic.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
@@ -143,7 +144,7 @@ def test_reward_and_value_normalisation_keep_per_agent_statistics() -> None:
     exp.rewards = torch.where(left, 100.0 + torch.arange(len(left)).float(), torch.linspace(-1, 1, len(left)))
     rewards = exp.rewards.clone()
     algo.prepare(exp)
-    mom = algo.reward_moments
+    mom = algo.algorithm.reward_moments
     assert mom.num_segments == 2
     torch.testing.assert_close(mom.mean[0], rewards[left].double().mean())
     torch.testing.assert_close(mom.mean[1], rewards[~left].double().mean())
@@ -153,7 +154,7 @@ def test_reward_and_value_normalisation_keep_per_agent_statistics() -> None:
     normed = normalize_rewards(rewards, check, segment_ids=(~left).long(), clip=5.0)
     assert abs(float(normed[left].mean())) < 1e-5 and abs(float(normed[~left].mean())) < 1e-5
     # The value normaliser saw each agent's returns (the reward on the last token, gamma 1) on its own.
-    vn_mean, _ = algo.value_normalizer.stats()
+    vn_mean, _ = algo.algorithm.value_normalizer.stats()
     assert abs(float(vn_mean[0])) < 1.0 and abs(float(vn_mean[1])) < 1.0  # normalised rewards, not 100
     # Advantages are whitened within each agent.
     for seg in (left, ~left):
@@ -185,7 +186,7 @@ def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
     rewards = []
     for step in range(40):
         exp, mean, _ = rollout(policy, algo, step)
-        algo.update(policy, algo.prepare(exp))
+        algo.update(algo.prepare(exp))
         rewards.append(mean)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.4, rewards
@@ -197,9 +198,9 @@ def test_state_dict_round_trip_is_exact() -> None:
     policy, algo = build(update_frequency=3)
     for step in range(2):  # leaves an open accumulation window
         exp, _, _ = rollout(policy, algo, step)
-        algo.update(policy, algo.prepare(exp))
+        algo.update(algo.prepare(exp))
     state = copy.deepcopy(algo.state_dict())
-    assert set(state["optimizers"]) == {"shared", "left", "right", "critic"} and algo.pending == 2
+    assert set(state["optimizers"]) == {"shared", "left", "right", "critic"} and algo.algorithm.pending == 2
     policy_state = copy.deepcopy(policy.state_dict())
 
     other_policy, other = build(update_frequency=3)
@@ -207,14 +208,14 @@ def test_state_dict_round_trip_is_exact() -> None:
     other.load_state_dict(state)
     exp, _, _ = rollout(policy, algo, 5)
     twin = copy.deepcopy(exp)
-    m1 = algo.update(policy, algo.prepare(exp))
-    m2 = other.update(other_policy, other.prepare(twin))
+    m1 = algo.update(algo.prepare(exp))
+    m2 = other.update(other.prepare(twin))
     assert m1 == m2 and m1["shared/stepped"] == 1.0
     for (name, a), b in zip(policy.state_dict().items(), other_policy.state_dict().values()):
         assert torch.equal(a, b), name
-    for (name, a), b in zip(algo.critic.state_dict().items(), other.critic.state_dict().values()):
+    for (name, a), b in zip(algo.algorithm.critic.state_dict().items(), other.algorithm.critic.state_dict().values()):
         assert torch.equal(a, b), name
-    torch.testing.assert_close(algo.value_normalizer.state_dict()["moments"]["mean"], other.value_normalizer.state_dict()["moments"]["mean"], rtol=0, atol=0)
+    torch.testing.assert_close(algo.algorithm.value_normalizer.state_dict()["moments"]["mean"], other.algorithm.value_normalizer.state_dict()["moments"]["mean"], rtol=0, atol=0)
 
 
 # ---- the shared learner loop: MAPPO gets every memory and precision switch -------------------------------------
@@ -223,16 +224,16 @@ def updated_state(train: dict, steps: int = 2) -> tuple[list[torch.Tensor], list
     metrics = []
     for step in range(steps):
         exp, _, _ = rollout(policy, algo, step)
-        metrics.append(algo.update(policy, algo.prepare(exp)))
-    return [p.detach().clone() for p in [*policy.parameters(), *algo.critic.parameters()]], metrics
+        metrics.append(algo.update(algo.prepare(exp)))
+    return [p.detach().clone() for p in [*policy.parameters(), *algo.algorithm.critic.parameters()]], metrics
 
 
 def first_step_gradients(train: dict) -> list[torch.Tensor]:
     """Every trained tensor's gradient in one update, read from AdamW's first moment (exp_avg = 0.1 * grad)."""
     policy, algo = build(train={"max_grad_norm": None, **train})
     exp, _, _ = rollout(policy, algo, 0)
-    algo.update(policy, algo.prepare(exp))
-    return [opt.state[t]["exp_avg"] / 0.1 for name, opt in algo.optimizers.items() for t in algo.stepped[name]]
+    algo.update(algo.prepare(exp))
+    return [opt.state[t]["exp_avg"] / 0.1 for name, opt in algo.optimizers.items() for t in algo.optimizer_set.stepped[name]]
 
 
 def test_token_budget_and_offload_give_the_plain_update() -> None:
@@ -256,18 +257,18 @@ def test_auto_micro_batch_backs_off_on_out_of_memory(monkeypatch: pytest.MonkeyP
     policy, algo = build(train={"auto_micro_batch": True})
     exp = algo.prepare(rollout(policy, algo, 0)[0])
     calls = {"n": 0}
-    loss = algo.loss
+    loss = algo.algorithm.loss
 
-    def failing_once(p, batch):
+    def failing_once(batch, scores):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("CPU out of memory (simulated)")
-        return loss(p, batch)
+        return loss(batch, scores)
 
-    monkeypatch.setattr(algo, "loss", failing_once)
-    metrics = algo.update(policy, exp)
-    assert metrics["train/skipped"] == 0.0 and algo.auto_budget_cap is not None
-    assert metrics["memory/token_budget"] == float(algo.auto_budget_cap)
+    monkeypatch.setattr(algo.algorithm, "loss", failing_once)
+    metrics = algo.update(exp)
+    assert metrics["train/skipped"] == 0.0 and algo.planner.auto_budget_cap is not None
+    assert metrics["memory/token_budget"] == float(algo.planner.auto_budget_cap)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -2,17 +2,20 @@
 
 **Actors** are the agents' views of a :class:`palestra.multiagent.sharing.MultiAgentPolicy` (``agents:`` in the config;
 a plain policy is one actor that every agent shares). Each row of the batch is one agent's turn, scored by that
-agent's parameters. **The critic** is a separate small transformer (:mod:`._critic`) that reads the joint state
+agent's parameters. **The critic** is a separate small transformer (:mod:`.critic`) that reads the joint state
 text (``metadata["state"]``: the query and every earlier agent's output) followed by the agent's completion and
 gives a value per completion token; with ``ippo: true`` it reads the agent's own prompt instead (independent PPO,
 for comparison). Per token the reward is the row's (credit-assigned) reward on its last token; GAE runs per
 agent row (:func:`.per_agent.per_agent_gae`), advantages are whitened per agent, the loss is PPO's clipped
 surrogate minus the entropy bonus plus ``vf_coef`` times the clipped value loss (both from :mod:`palestra.rl`).
 
-MAPPO runs on the one learner loop (:mod:`palestra.engine.learner`): its parameter groups (one per agent, the
-shared layers, the critic), per-agent clipping and the shared-layer update window are learner hooks, so it has
-mixed precision (fp16 loss scaling too), token-budget and automatic micro-batches, CPU offload and FSDP2 like
-every other algorithm. Under torchrun the per-agent running statistics (reward moments, value normaliser) are
+MAPPO runs on the one learner (:class:`palestra.engine.learner.Learner`), which does its forward, micro-batches,
+mixed precision (fp16 loss scaling too), CPU offload and FSDP2 as for every other algorithm. What MAPPO states
+differently, through the algorithm's hooks: its parameter groups (:meth:`MAPPO.optimizer_groups`: one per agent, the
+shared layers, the critic), per-agent clipping (:meth:`MAPPO.clip_gradients`), per-agent token means
+(:meth:`MAPPO.begin_update` sets the row weights, :meth:`MAPPO.micro_weights` counts every micro-batch as 1) and the
+shared-layer update window (:meth:`MAPPO.on_optimizers`, :meth:`MAPPO.before_optimizer_step`,
+:meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent running statistics (reward moments, value normaliser) are
 merged over ranks every step, so every rank normalises with the global batch's statistics.
 
 The known multi-agent pitfalls, as features:
@@ -96,6 +99,8 @@ class MAPPO(Algorithm):
         self.update_frequency = 1
         self.explained_var: dict[str, float] = {}
         self._stepped_by_group: dict[str, list[Any]] = {}  # sharing group -> the tensors its optimiser steps
+        self.tokenizer: Any = None  # the policy's (the critic reads the joint state in its tokens)
+        self.device: Any = None  # where the policy, the critic and the running statistics live
         self._shared_due = False
         self._sums: dict[str, dict[str, float]] = {}
 
@@ -106,6 +111,7 @@ class MAPPO(Algorithm):
         from .critic import StateCritic
 
         o = self.options
+        self.tokenizer, self.device = policy.tokenizer, next(policy.parameters()).device
         multi = isinstance(policy, MultiAgentPolicy)
         if multi:
             self._register(list(policy.agent_ids))
@@ -114,7 +120,7 @@ class MAPPO(Algorithm):
         else:  # a plain policy: one set of parameters shared by every agent
             self.update_frequency = 1
             self.sharing = {"shared": [p for p in policy.parameters() if p.requires_grad]}
-        device = next(policy.parameters()).device
+        device = self.device
         self.critic = StateCritic(
             len(policy.tokenizer), d_model=o.critic_d_model, n_layers=o.critic_layers, n_heads=o.critic_heads,
             d_ff=o.critic_d_ff, max_len=o.critic_max_len,
@@ -130,14 +136,19 @@ class MAPPO(Algorithm):
         groups["critic"] = ParamGroup(list(self.critic.parameters()), critic_lr, self.critic, policy=False)
         return groups
 
-    def setup(self, policy: Any, context: Any, *, reference: Any = None) -> None:
+    def on_optimizers(self, stepped: Mapping[str, Sequence[Any]]) -> None:
+        """Each sharing group's stepped tensors (one optimiser's, or its slice of the one ``policy`` optimiser's), and
+        the shared layers' gradient accumulators for the update window."""
         import torch
 
-        super().setup(policy, context, reference=reference)
-        stepped = [t for ts in self.stepped.values() for t in ts]
-        # Lists, not a dict keyed by id(): a deep copy of the algorithm keeps them pointing at its own tensors.
-        of = {id(p): t for p, t in zip(self.params, stepped)}
-        self._stepped_by_group = {name: [of[id(p)] for p in ps] for name, ps in self.sharing.items()}
+        if self.options.per_agent_optimizer:
+            self._stepped_by_group = {name: list(stepped[name]) for name in self.sharing}
+        else:  # the "policy" group holds the sharing groups' parameters one after another (optimizer_groups)
+            tensors, start = list(stepped["policy"]), 0
+            self._stepped_by_group = {}
+            for name, ps in self.sharing.items():
+                self._stepped_by_group[name] = tensors[start : start + len(ps)]
+                start += len(ps)
         shared = self._stepped("shared")
         self.shared_accum = [torch.zeros_like(t) for t in shared] if self.update_frequency > 1 else []
 
@@ -157,7 +168,7 @@ class MAPPO(Algorithm):
         if self.reward_moments is not None:
             raise ValueError(f"{self.name}: agent(s) {', '.join(new)} appeared after training started; the agents were {', '.join(self.agents)}")
         self.agents.extend(new)
-        device = next(self.policy.parameters()).device if self.policy is not None else torch.device("cpu")
+        device = self.device if self.device is not None else torch.device("cpu")
         self.reward_moments = RunningMoments(num_segments=len(self.agents), device=device)
         self.value_normalizer = ValueNormalizer(len(self.agents), device=device)
 
@@ -180,7 +191,7 @@ class MAPPO(Algorithm):
                 ids, mask = ids[:, -room:], mask[:, -room:]
             return ids, mask
         states = [str(m.get("state", "")) for m in batch.metadata]
-        return encode_prefixes(self.policy.tokenizer, states, room, batch.completion_ids.device)
+        return encode_prefixes(self.tokenizer, states, room, batch.completion_ids.device)
 
     def critic_values(self, batch: Experience) -> torch.Tensor:
         return self.critic(batch.extras["critic_ids"], batch.extras["critic_mask"], batch.completion_ids, batch.completion_mask)
@@ -243,9 +254,10 @@ class MAPPO(Algorithm):
     def micro_weights(self, batch: Experience, chunks: Sequence[torch.Tensor]) -> list[float]:
         return [1.0] * len(chunks)  # the per-agent row weights already make each micro-batch's share
 
-    def loss(self, policy: Any, batch: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: Experience, scores: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Actor + ``vf_coef`` * critic loss on ``batch``, weighted per row by ``extras["row_weight"]`` (set by
-        :meth:`begin_update`); without it, a token mean over ``batch``."""
+        :meth:`begin_update`); without it, a token mean over ``batch``. The actor's ratio is against
+        ``batch.old_logprobs`` and its advantages carry rollout correction's weights (the learner's)."""
         import torch
         from palestra.rl import clipped_surrogate, value_loss
 
@@ -257,10 +269,8 @@ class MAPPO(Algorithm):
         row_weight = batch.extras.get("row_weight")
         if row_weight is None:
             row_weight = torch.full((batch.batch_size,), 1.0 / max(1.0, float(m.sum())), device=m.device)
-        scores = self.score(policy, batch)
-        actor, am = clipped_surrogate(scores.logprobs, self.proximal_logprobs(scores, batch), batch.advantages, mask, o.clip_eps)
+        actor, am = clipped_surrogate(scores.logprobs, batch.old_logprobs, batch.advantages, mask, o.clip_eps)
         metrics: dict[str, Any] = {}
-        actor = self.rollout_terms(actor, scores, batch, metrics)  # rollout correction's weights and rollout/* metrics
         per_token = actor - o.entropy_coef * scores.entropy if o.entropy_coef > 0 else actor
         values = self.critic_values(batch)
         vloss, vm = value_loss(values, batch.old_values, batch.returns, mask, o.clip_value, o.huber_delta)

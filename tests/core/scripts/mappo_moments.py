@@ -16,6 +16,7 @@ import torch
 
 from palestra.config import build_component, load_config
 from palestra.context import TrainContext
+from palestra.engine.learner import Learner
 from palestra.scale.distributed import DistributedContext
 from palestra.types import Experience
 
@@ -54,8 +55,7 @@ def statistics(algo) -> dict[str, list[float]]:
 def build(config, context):
     torch.manual_seed(7)  # the critic's initial weights: the same everywhere
     algo = build_component("optimizer", config.optimizer, path="optimizer")
-    algo.setup(policy, context)
-    return algo
+    return Learner(algo, policy, context)
 
 
 out = Path(sys.argv[1])
@@ -72,9 +72,9 @@ for step in range(3):
     algo.prepare(batch.select(range(dist.rank * half, (dist.rank + 1) * half)))
     if single is not None:
         single.prepare(global_batch(step, len(policy.tokenizer)))
-result = {"rank": dist.rank, "world_size": dist.world_size, "distributed": statistics(algo)}
+result = {"rank": dist.rank, "world_size": dist.world_size, "distributed": statistics(algo.algorithm)}
 if single is not None:
-    result["single"] = statistics(single)
+    result["single"] = statistics(single.algorithm)
 out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{dist.rank}.json").write_text(json.dumps(result))
 dist.close()
