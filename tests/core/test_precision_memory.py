@@ -371,10 +371,6 @@ def test_gradient_checkpointing_on_a_policy_without_it_is_a_config_error():
 
 def test_the_hf_policy_switches_transformers_checkpointing_on_and_off(tmp_path):
     pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
     import tiny_hf
     from palestra.config import build_component
 

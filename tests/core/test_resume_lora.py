@@ -6,7 +6,6 @@ The helpers are the full-weight resume test's (tests/core/test_resume.py).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import yaml
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.engine import checkpoint as ckpt
 from test_resume import killed_and_resumed, metric_lines

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # noqa: E402
+from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # bench/: on sys.path by pyproject's pytest pythonpath
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import plugin_installs
@@ -28,7 +27,6 @@ MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
 HF_EXAMPLES = ["hf_local", "smollm2_lora"]
-FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
 SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
@@ -117,11 +115,7 @@ def test_a_reward_from_a_failing_plugin_is_one_line_naming_the_distribution(
 @pytest.fixture(scope="module")
 def tiny_hf():
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_hf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     return tiny_hf
 
 
@@ -227,11 +221,7 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
     in place of SmolLM2 (the real one is a 100 MB download, run by hand: docs/models.md)."""
     pytest.importorskip("peft")
     pytest.importorskip("gguf")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_gguf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_gguf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
     run_dir = run_example(
         "smollm2_lora", tmp_path, capsys, f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",

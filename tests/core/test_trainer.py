@@ -27,7 +27,6 @@ from palestra.types import Message, Observation, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 # A small tiny-transformer: learns the answer format in a few dozen steps, a step takes ~25 ms on one thread.
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
@@ -444,11 +443,7 @@ def test_a_reward_from_the_example_plugin_drives_a_training_run(sites, tmp_path:
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_hf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     return tiny_hf.build_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
