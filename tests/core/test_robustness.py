@@ -26,7 +26,7 @@ import pytest
 
 from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # bench/: on sys.path by pyproject's pytest pythonpath
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.usefixtures("one_thread")]
 
 SEEDS = (0, 1, 2)
 

@@ -233,6 +233,7 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
 
 # ---- the main job ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.learning
 def test_the_builtin_run_learns_its_curriculum(tmp_path: Path) -> None:
     """`palestra train` with no config (~2 min): the format layer is learnt (held-out format 1.0 from 0), which
     unlocks the correctness layer, and the run earns correctness reward while training.
