@@ -69,3 +69,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = item.path.as_posix()
         if ("/tests/kernels/" in path or "/bench/" in path) and _NATIVE.search(item.name):
             item.add_marker(pytest.mark.native)
+        # The session's plugin installs (tests/core/plugin_installs.py: eight pip installs, 20-40 s once) and the
+        # `python -m palestra` each such test starts: slow, so the fast tier runs without installing anything.
+        if "sites" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)

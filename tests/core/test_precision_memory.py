@@ -298,6 +298,7 @@ def test_out_of_memory_halves_the_budget_and_the_gradient_stays_exact(caplog):
     assert m["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_out_of_memory_with_one_row_per_micro_batch_gives_up_in_one_line():
     OOMAbove.calls, OOMAbove.limit = [], 0
     policy = tiny(cls=OOMAbove)
