@@ -79,3 +79,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+# palestra.kernels is the kernels/ folder, which has no __init__.py (so that it does not hide Hugging Face's
+# `kernels` from the repository root): this tells the import system where its package body is. Nothing above
+# imports palestra.kernels.
+from palestra import _kernels_home  # noqa: E402
+
+_kernels_home.install()

@@ -25,6 +25,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,26 +37,7 @@ from palestra.engine.checked_environment import check_reset, check_step
 from palestra.engine.watchdog import Interrupted, StopSignals
 from palestra.types import Observation, StepResult
 
-TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
 MARKER = "code-ran"  # the file a malicious checkpoint tries to create
-
-
-def raw_config(output_dir: str = "runs", name: str = "r", **train: Any) -> dict[str, Any]:
-    """Reinforce with running normalisation and replay, a layered (stateful) reward, a cosine schedule: every kind
-    of state a resume must carry."""
-    return {
-        "run": {"name": name, "seed": 0, "output_dir": output_dir},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
-        "reward": {"name": "layered", "options": {"layers": [{"name": "format"}, {"name": "correctness", "unlock_at": 0.3}], "ema_decay": 0.9}},
-        "policy": {"name": "tiny", "options": TINY},
-        "optimizer": {"name": "reinforce", "options": {"normalize": True, "replay_capacity": 2, "replay_rows": 4, "entropy_coef": 0.01}},
-        "generator": {"name": "kv_cache"},
-        "kernels": {"backend": "torch"},  # no native build in the subprocesses: the eager kernels
-        "loggers": [{"name": "jsonl", "options": {"filename": "log.jsonl"}}],  # not metrics.jsonl: no plot at the end
-        "train": {"steps": 4, "batch_size": 4, "group_size": 4, "lr": 5e-3, "lr_schedule": "cosine", "max_new_tokens": 6,
-                  "device": "cpu", "eval_size": 4, "eval_every": 0, "log_every": 1, "save_every": 2, "keep_checkpoints": 2,
-                  **train},
-    }  # fmt: skip
 
 
 def write_config(folder: Path, raw: dict[str, Any]) -> Path:
@@ -189,7 +171,7 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def base_run(tmp_path_factory: pytest.TempPathFactory, raw_config: Callable[..., dict[str, Any]]) -> Path:
     """A finished 4-step run (checkpoints/step-000002.pt and checkpoint.pt at step 4); tests work on copies."""
     folder = tmp_path_factory.mktemp("base")
     result = palestra(["--config", str(write_config(folder, raw_config()))], folder)
@@ -251,7 +233,7 @@ def test_load_checkpoint_refuses_pickled_code_however_it_is_wrapped(tmp_path: Pa
 
 # ---- 2. runs do not clobber each other, and resume takes only its own run's checkpoints ---------------------
 @pytest.mark.slow
-def test_a_second_run_into_a_run_directory_is_refused_with_the_ways_out(tmp_path: Path) -> None:
+def test_a_second_run_into_a_run_directory_is_refused_with_the_ways_out(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     config = write_config(tmp_path, raw_config(name="base", steps=2, save_every=0))
     first = palestra(["--config", str(config)], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -394,7 +376,7 @@ SIGNAL_STEPS = 40
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_same(tmp_path: Path) -> None:
+def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_same(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     raw = raw_config(steps=SIGNAL_STEPS, save_every=0, eval_every=10)  # no periodic checkpoints: the signal's alone
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -421,7 +403,7 @@ def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_sam
 
 
 @pytest.mark.slow
-def test_sigint_saves_and_exits_130_with_one_line(tmp_path: Path) -> None:
+def test_sigint_saves_and_exits_130_with_one_line(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     write_config(tmp_path, raw_config(steps=SIGNAL_STEPS, save_every=0))
     proc = start(["--config", "config.yaml"], tmp_path)
     run_dir = tmp_path / "runs" / "r"
@@ -464,7 +446,7 @@ def second_signal_stops_at_once() -> None:
 
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_was_needed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], raw_config: Callable[..., dict[str, Any]]
 ) -> None:
     from palestra import cli
 
@@ -520,7 +502,7 @@ def _workers(parent: int) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
-def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     raw = raw_config(steps=SIGNAL_STEPS, save_every=0, batch_size=8)
     raw["distributed"] = {"strategy": "ddp", "backend": "gloo", "timeout_s": 60}
     write_config(tmp_path, raw)
@@ -549,7 +531,7 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(t
 
 # ---- 5. rewards near float32's limit, and environments that break the protocol ------------------------------------
 @pytest.mark.slow
-def test_rewards_near_the_float32_limit_never_log_or_print_nan(plugin_site: Path, tmp_path: Path) -> None:
+def test_rewards_near_the_float32_limit_never_log_or_print_nan(plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     raw = raw_config(steps=3, save_every=0)
     raw["reward"] = {"name": "huge", "options": {"value": 3e38, "alternate": True}}
     result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, plugin_site)
@@ -591,7 +573,7 @@ BREAKS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("breaks", list(BREAKS))
-def test_an_environment_that_breaks_the_protocol_is_named_with_the_rule(breaks: str, plugin_site: Path, tmp_path: Path) -> None:
+def test_an_environment_that_breaks_the_protocol_is_named_with_the_rule(breaks: str, plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     raw = raw_config(steps=1, save_every=0)
     raw["environment"] = {"name": "rule_breaker", "options": {**raw["environment"]["options"], "breaks": breaks}}
     result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, plugin_site)

@@ -391,6 +391,7 @@ def test_config_show_without_a_file_and_a_bad_override() -> None:
     assert done.returncode == 0 and yaml.safe_load(done.stdout) == load_config().to_dict()
 
 
+@pytest.mark.slow
 def test_train_rejects_a_misspelt_component_before_building_anything() -> None:
     done = palestra("train", "reward.name=corectness")
     assert done.returncode == 2

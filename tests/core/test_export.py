@@ -9,7 +9,6 @@ one line, exit 2.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import plugin_installs
@@ -25,7 +24,6 @@ transformers = pytest.importorskip("transformers", reason="exporting writes tran
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 ERROR = "palestra export: error: "
 SMALL = ["loggers=[]", "train.steps=2", "train.batch_size=2", "train.group_size=2", "train.eval_size=2",
@@ -66,11 +64,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_hf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     return tiny_hf.build_llama(tmp_path_factory.mktemp("llama"))
 
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # the algorithm tests' toy policy
-from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # noqa: E402
+from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # the algorithm tests' toy policy (tests/plugins)
 
 from palestra.plugin_manager import get_registry
 from palestra.rl.stats import group_tie_stats

@@ -163,6 +163,7 @@ def palestra(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "palestra", *args], capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_palestra_plot_writes_the_png_and_prints_its_path(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", training_records(4))
     out = tmp_path / "figs" / "dash.png"

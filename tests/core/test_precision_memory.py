@@ -298,6 +298,7 @@ def test_out_of_memory_halves_the_budget_and_the_gradient_stays_exact(caplog):
     assert m["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_out_of_memory_with_one_row_per_micro_batch_gives_up_in_one_line():
     OOMAbove.calls, OOMAbove.limit = [], 0
     policy = tiny(cls=OOMAbove)
@@ -371,10 +372,6 @@ def test_gradient_checkpointing_on_a_policy_without_it_is_a_config_error():
 
 def test_the_hf_policy_switches_transformers_checkpointing_on_and_off(tmp_path):
     pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
     import tiny_hf
     from palestra.config import build_component
 

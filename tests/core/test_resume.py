@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +26,10 @@ from palestra.checked_reward import CheckedReward
 from palestra.scale.distributed import DistributedContext
 from palestra.engine.trainer import Trainer, TrainingAborted
 
-TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
 STEPS, SAVE_EVERY, KEEP = 12, 3, 2
-
-
-def raw_config(output_dir: Path) -> dict[str, Any]:
-    # reinforce with replay and running normalisation, a layered (stateful) reward: every kind of state a resume
-    # must carry (optimiser, schedule, shuffling generator, replay buffer, running moments, curriculum, EMA).
-    return {
-        "run": {"name": "r", "seed": 0, "output_dir": str(output_dir)},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
-        "reward": {"name": "layered", "options": {"layers": [{"name": "format"}, {"name": "correctness", "unlock_at": 0.3}], "ema_decay": 0.9}},
-        "policy": {"name": "tiny", "options": TINY},
-        "optimizer": {"name": "reinforce", "options": {"normalize": True, "replay_capacity": 2, "replay_rows": 4, "entropy_coef": 0.01}},
-        "generator": {"name": "kv_cache"},
-        "kernels": {"backend": "torch"},  # no native build in the subprocesses: the eager kernels
-        "loggers": [{"name": "jsonl", "options": {"filename": "log.jsonl"}}],  # not metrics.jsonl: no plot at the end
-        "train": {"steps": STEPS, "batch_size": 4, "group_size": 4, "lr": 5e-3, "lr_schedule": "cosine", "max_new_tokens": 6,
-                  "device": "cpu", "eval_size": 4, "eval_every": 6, "save_every": SAVE_EVERY, "keep_checkpoints": KEEP},
-    }  # fmt: skip
+# conftest's raw_config (reinforce with replay and running normalisation, a layered reward: every kind of state a
+# resume must carry), longer, with held-out evaluations on the way
+RESUME = {"steps": STEPS, "eval_every": 6, "save_every": SAVE_EVERY, "keep_checkpoints": KEEP}
 
 
 def palestra(args: list[str], cwd: Path) -> subprocess.Popen[str]:
@@ -90,9 +76,10 @@ def killed_and_resumed(
     return run_a, run_b
 
 
-def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_path: Path) -> None:
+@pytest.mark.slow  # two training runs in subprocesses, one killed and resumed: 10-14 s
+def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(raw_config(Path("runs"))))
+    config.write_text(yaml.safe_dump(raw_config(Path("runs"), **RESUME)))
     run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY)
 
     a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
@@ -114,9 +101,10 @@ def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_pa
 
 
 
-def test_a_dapo_run_with_refill_resumes_bitwise(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_dapo_run_with_refill_resumes_bitwise(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     """DAPO's refill rounds sample from seeds derived from the step and the round: the resumed run draws the same."""
-    raw = raw_config(Path("runs"))
+    raw = raw_config(Path("runs"), **RESUME)
     raw["optimizer"] = {"name": "dapo", "options": {"dynamic_sampling": True, "refill_rounds": 2, "entropy_coef": 0.01}}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -155,10 +143,10 @@ def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> Non
         ckpt.find_resume_checkpoint(tmp_path / "checkpoints")
 
 
-def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path) -> None:
+def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     from palestra.cli.train import resume_config
 
-    raw = raw_config(tmp_path)
+    raw = raw_config(tmp_path, **RESUME)
     ckpt.save_checkpoint({"step": 3, "config": validate_config(raw).to_dict()}, tmp_path / ckpt.FINAL_NAME)
     config, _ = resume_config(str(tmp_path), ["train.steps=40", "train.save_every=5"])
     assert (config.train.steps, config.train.save_every, config.train.lr) == (40, 5, 5e-3)
@@ -166,8 +154,8 @@ def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path)
         resume_config(str(tmp_path), ["train.lr=1"])
 
 
-def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(tmp_path: Path) -> None:
-    raw = raw_config(tmp_path)
+def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+    raw = raw_config(tmp_path, **RESUME)
     raw["train"].update(max_bad_steps=2, save_every=0)
     config = validate_config(raw)
     built = build_run(config, DistributedContext.from_config(config, config.train.device))

@@ -6,7 +6,7 @@ The helpers are the full-weight resume test's (tests/core/test_resume.py).
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import yaml
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.engine import checkpoint as ckpt
 from test_resume import killed_and_resumed, metric_lines
@@ -25,29 +24,24 @@ from test_resume import killed_and_resumed, metric_lines
 STEPS, SAVE_EVERY = 8, 2
 
 
-def raw_config(model_dir: Path) -> dict[str, Any]:
+def lora_sections(model_dir: Path) -> dict[str, Any]:
     # GRPO with a KL term: the reference is the base with the adapters disabled; adapter dropout draws from the
     # global RNG, which the checkpoint must carry; the length reward gives partial credit, so the adapters move.
     return {
-        "run": {"name": "r", "seed": 0, "output_dir": "runs"},
         "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"]}},
         "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
         "policy": {"name": "hf", "options": {"path": str(model_dir), "dtype": "float32",
                                              "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}},
         "optimizer": {"name": "grpo", "options": {"beta": 0.05}},
-        "generator": {"name": "kv_cache"},
-        "kernels": {"backend": "torch"},
-        "loggers": [{"name": "jsonl", "options": {"filename": "log.jsonl"}}],
-        "train": {"steps": STEPS, "batch_size": 2, "group_size": 4, "lr": 1e-2, "lr_schedule": "cosine", "max_new_tokens": 6,
-                  "device": "cpu", "eval_size": 2, "save_every": SAVE_EVERY, "keep_checkpoints": 2},
     }  # fmt: skip
 
 
 @pytest.mark.slow
-def test_a_lora_run_killed_mid_training_resumes_to_the_same_adapters_bitwise(tmp_path: Path) -> None:
+def test_a_lora_run_killed_mid_training_resumes_to_the_same_adapters_bitwise(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     model_dir = tiny_hf.build_qwen2(tmp_path / "model")
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(raw_config(model_dir)))
+    raw = raw_config(sections=lora_sections(model_dir), steps=STEPS, batch_size=2, lr=1e-2, eval_size=2, save_every=SAVE_EVERY)
+    config.write_text(yaml.safe_dump(raw))
     run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY, timeout=180)
 
     a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified

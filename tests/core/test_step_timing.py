@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +24,16 @@ from palestra.scale.distributed import DistributedContext
 PARTS = ("perf/generate_s", "perf/reward_s", "perf/score_s", "perf/update_s", "perf/overhead_s")
 
 
-def raw_config(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "run": {"name": "timing", "seed": 0, "output_dir": str(tmp_path)},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "prompt": "{question} ="}},
-        "reward": {"name": "format", "options": {"tag": "answer"}},
-        "policy": {"name": "tiny", "options": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32}},
-        "optimizer": {"name": "grpo", "options": {"beta": 0.05}},  # a reference: the score part does work
-        "loggers": [],
-        "train": {"steps": 3, "batch_size": 2, "group_size": 4, "max_new_tokens": 4, "device": "cpu", "eval_size": 2},
-    }
+# GRPO with a reference (beta > 0): the score part does work
+TIMING = {
+    "environment": {"name": "arithmetic", "options": {"difficulty": 1, "prompt": "{question} ="}},
+    "reward": {"name": "format", "options": {"tag": "answer"}},
+    "policy": {"name": "tiny", "options": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32}},
+    "optimizer": {"name": "grpo", "options": {"beta": 0.05}},
+    "kernels": {"backend": "auto"},
+    "loggers": [],
+    "train": {"steps": 3, "batch_size": 2, "group_size": 4, "max_new_tokens": 4, "device": "cpu", "eval_size": 2},
+}
 
 
 def check_breakdown(metrics: dict[str, float]) -> None:
@@ -43,8 +44,8 @@ def check_breakdown(metrics: dict[str, float]) -> None:
     assert total == pytest.approx(metrics["perf/step_s"], rel=1e-9, abs=1e-9), {k: metrics[k] for k in (*PARTS, "perf/step_s")}
 
 
-def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Path) -> None:
-    trainer = Trainer(validate_config(raw_config(tmp_path)), run_dir=tmp_path / "run")
+def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+    trainer = Trainer(validate_config(raw_config(tmp_path, name="timing", sections=TIMING)), run_dir=tmp_path / "run")
     for _ in range(2):
         metrics = trainer.step()
         check_breakdown(metrics)
@@ -52,8 +53,8 @@ def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Pa
         assert metrics["perf/generate_s"] > 0 and metrics["perf/update_s"] > 0 and metrics["perf/score_s"] > 0
 
 
-def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Path) -> None:
-    config = validate_config(raw_config(tmp_path))
+def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+    config = validate_config(raw_config(tmp_path, name="timing", sections=TIMING))
     built = build_run(config, DistributedContext.from_config(config, config.train.device))
     nan = CheckedReward(lambda p, c, m: [math.nan] * len(c), name="nan_reward")  # skipped after the rollout
     trainer = Trainer(config, run_dir=tmp_path / "run", components=dataclasses.replace(built, reward=nan))
@@ -65,10 +66,10 @@ def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Pat
     assert metrics["perf/score_s"] == 0 and metrics["perf/update_s"] == 0
 
 
-def test_bench_e2e_prints_the_breakdown_and_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_e2e_prints_the_breakdown_and_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], raw_config: Callable[..., dict[str, Any]]) -> None:
     out = tmp_path / "steps.json"
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(raw_config(tmp_path)))
+    config.write_text(yaml.safe_dump(raw_config(tmp_path, name="timing", sections=TIMING)))
     assert main(["bench", "--e2e", "--config", str(config), "--steps", "2", "train.max_new_tokens=3", "--out", str(out)]) == 0
     table = capsys.readouterr().out
     for part in ("generate", "reward", "score", "update", "overhead", "step", "completions/s", "tokens/s"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from palestra.testing.samples import TINY_POLICY
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
 
 # ---- every built-in component passes ------------------------------------------------------------------------
 # What a built-in needs beyond its defaults: the dialogue rewards read customer_service's metadata, the
@@ -62,11 +60,7 @@ def builtins() -> list[Any]:
 @pytest.fixture(scope="module")
 def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_hf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     return tiny_hf.build_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import plugin_installs
@@ -28,7 +27,6 @@ MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
 HF_EXAMPLES = ["hf_local", "smollm2_lora"]
-FIXTURES = REPO / "tests" / "fixtures"
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
 SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
@@ -42,6 +40,7 @@ def train(args: list[str], cwd: Path, sites: list[Path] = ()) -> subprocess.Comp
 
 
 # ---- a successful run ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_train_prints_the_before_after_table_and_the_plot(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     result = train(["train.steps=3", "train.eval_size=4", f"run.output_dir={out}"], tmp_path)
@@ -87,12 +86,14 @@ def check_up_front_error(result, tmp_path: Path, starts: str, *, allowed_warning
     return message
 
 
+@pytest.mark.slow
 def test_a_bad_config_value_is_one_line(tmp_path: Path) -> None:
     result = train(["train.lr=fast", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
     assert check_up_front_error(result, tmp_path, "train.lr: ") == "train.lr: expected a float, got 'fast'"
     assert result.stderr.count("\n") == 1  # the config is checked before the summary is printed
 
 
+@pytest.mark.slow
 def test_a_misspelt_reward_name_is_one_line(tmp_path: Path) -> None:
     result = train(["reward.name=formatt", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
     message = check_up_front_error(result, tmp_path, "reward.name: no reward named 'formatt'")
@@ -117,20 +118,18 @@ def test_a_reward_from_a_failing_plugin_is_one_line_naming_the_distribution(
 @pytest.fixture(scope="module")
 def tiny_hf():
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_hf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     return tiny_hf
 
 
+@pytest.mark.slow
 def test_a_missing_model_folder_is_one_line(tmp_path: Path) -> None:
     result = train(["policy.name=hf", "policy.options.path=/nonexistent", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
     message = check_up_front_error(result, tmp_path, "policy.options.path: '/nonexistent' does not exist")
     assert "nothing is downloaded" in message
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: Path) -> None:
     model_dir, tokenizer_dir = tiny_hf.build_mismatched(tmp_path / "mismatched")
     result = train(
@@ -207,11 +206,13 @@ def run_example(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *
 
 
 @pytest.mark.parametrize("name", [*ALGORITHM_EXAMPLES, *HARDER_TASK_EXAMPLES])
+@pytest.mark.slow
 def test_each_algorithm_example_trains(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A smaller batch keeps this a smoke test; the algorithm and its options are the file's.
     run_example(name, tmp_path, capsys, "train.batch_size=4", "train.group_size=4")
 
 
+@pytest.mark.slow
 def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = tiny_hf.build_qwen2(tmp_path / "qwen2")  # has a chat template, as instruction-tuned models do
     run_dir = run_example(
@@ -222,16 +223,13 @@ def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path
     assert state["config"]["policy"]["options"]["path"] == str(model_dir)
 
 
+@pytest.mark.slow
 def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The realistic example's CI smoke run: its own LoRA/GRPO settings for 2 steps, on a tiny GGUF written here
     in place of SmolLM2 (the real one is a 100 MB download, run by hand: docs/models.md)."""
     pytest.importorskip("peft")
     pytest.importorskip("gguf")
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import tiny_gguf
-    finally:
-        sys.path.remove(str(FIXTURES))
+    import tiny_gguf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
     gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
     run_dir = run_example(
         "smollm2_lora", tmp_path, capsys, f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
@@ -243,6 +241,7 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
 
 # ---- the main job ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.learning
 def test_the_builtin_run_learns_its_curriculum(tmp_path: Path) -> None:
     """`palestra train` with no config (~2 min): the format layer is learnt (held-out format 1.0 from 0), which
     unlocks the correctness layer, and the run earns correctness reward while training.

@@ -30,6 +30,7 @@ def test_palestra_bench_quick_writes_results(tmp_path):
     assert "speed-up vs baselines" in done.stdout
 
 
+@pytest.mark.slow
 def test_palestra_bench_csv_and_bad_arguments(tmp_path):
     done = _run([sys.executable, "-m", "palestra", "bench", "--quick", "--ops", "no_such_op"])
     assert done.returncode == 2 and "--ops" in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -6,8 +6,6 @@ gradcheck and opcheck; what autograd saves; and CausalLMPolicy.score, fused, aga
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -348,7 +346,6 @@ def test_score_fuses_only_when_the_logits_would_be_large(monkeypatch: pytest.Mon
 
 
 # ---- tiny HuggingFace models (tests/fixtures/tiny_hf.py) -------------------------------------------------
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 
 @pytest.fixture(scope="module")

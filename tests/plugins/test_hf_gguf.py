@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_gguf
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.models.policy import CausalLMPolicy

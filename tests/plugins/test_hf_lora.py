@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.engine import checkpoint as ckpt

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere in this test
@@ -17,7 +16,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import tiny_hf
 from palestra.config import ConfigError, build_component
 from palestra.models.policy import CausalLMPolicy

@@ -224,6 +224,7 @@ class _Listener:
         self.sock.close()
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_under_the_run_dir_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     listener = _Listener()
     try:

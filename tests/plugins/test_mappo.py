@@ -180,6 +180,7 @@ def test_team_credit_gives_every_row_the_episode_reward_and_role_credit_each_age
 
 
 # ---- learning ----------------------------------------------------------------------------------------------------------
+@pytest.mark.learning
 @pytest.mark.parametrize("ippo", [False, True])
 def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
     policy, algo = build(ippo=ippo, update_frequency=2, entropy_coef=0.0)

@@ -78,6 +78,7 @@ MARGIN = 2.0
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_mappo_beats_random_policy():
     """A short MAPPO run (1 thread, ~16k env steps) beats the random policy clearly on the same 64 start configurations.
 

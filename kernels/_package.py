@@ -3,20 +3,13 @@ estimators, running reward normalisation.
 
 Each op has a plain-torch reference, a C++ CPU kernel, a CUDA kernel and a Triton kernel; the input's
 device picks one (see :mod:`palestra.kernels.dispatch`). Native back ends are built lazily, on first use.
+
+This file is the package's body, what an ``__init__.py`` would hold. The folder has none on purpose: it sits at
+the top of the source tree, and Python run from the repository root (``python -m pytest``, ``python -c``) puts
+the root on sys.path, where a regular package named ``kernels`` would hide Hugging Face's ``kernels``, which
+transformers imports. Without ``__init__.py`` the folder is only a namespace portion there, and the installed
+package wins. :mod:`palestra._kernels_home` loads this file as ``palestra.kernels``.
 """
-
-if __name__ != "palestra.kernels":
-    # This folder sits at the top of the source tree, so `python -m ...` or `python -c` run from the repository
-    # root puts it on sys.path as a top-level `kernels`, where it shadows Hugging Face's `kernels` package that
-    # transformers (>= 5.25) imports. Fail here, naming the cause, instead of deep inside transformers.
-    import os as _os
-
-    raise ImportError(
-        f"{_os.path.dirname(_os.path.abspath(__file__))} is palestra.kernels, but it was imported as the top-level "
-        f"module {__name__!r}: the Palestra source tree is on sys.path (the current directory, under `python -m` "
-        "or `python -c`) and hides Hugging Face's `kernels` package, which transformers needs; run `pytest` or "
-        "`palestra` directly, use `python -P`, or run from another folder"
-    )
 
 from .advantages import discounted_returns, gae, group_advantages, rloo_advantages
 from .build import KernelBuildError
