@@ -1,0 +1,1 @@
+../../../../kernels/linear_logprob_entropy.py

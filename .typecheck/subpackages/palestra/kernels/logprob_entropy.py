@@ -1,0 +1,1 @@
+../../../../kernels/logprob_entropy.py

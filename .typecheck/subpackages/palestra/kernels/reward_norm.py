@@ -1,0 +1,1 @@
+../../../../kernels/reward_norm.py

@@ -1,0 +1,1 @@
+../../../../kernels/triton_advantages.py

@@ -1,0 +1,1 @@
+../../../../kernels/triton_logprob_entropy.py

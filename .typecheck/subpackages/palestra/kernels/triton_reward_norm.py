@@ -1,0 +1,1 @@
+../../../../kernels/triton_reward_norm.py
