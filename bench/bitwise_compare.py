@@ -144,12 +144,17 @@ def renamed(key: str) -> str:
     return key
 
 
+def old_mappo_layout(flat: dict[str, Any]) -> bool:
+    """MAPPO's own optimiser state at the top of ``optimizer`` (before issue 12), not under ``optimizer.extra``."""
+    return any(key.startswith("optimizer.critic.") for key in flat)
+
+
 def compare_checkpoints(a: Path, b: Path) -> str | None:
     import torch
 
     fa = flatten(torch.load(a, map_location="cpu", weights_only=False))
     fb = flatten(torch.load(b, map_location="cpu", weights_only=False))
-    if "optimizer.optimizers" in " ".join(fa) and "optimizer.extra.critic" in " ".join(fb):  # MAPPO, redesigned
+    if old_mappo_layout(fa) and not old_mappo_layout(fb):  # MAPPO before issue 12 against MAPPO after it
         fb = {renamed(k): v for k, v in fb.items()}
         steps = fa.pop("optimizer.counters.steps", None)
         epochs = {k: fb.pop(k) for k in [k for k in fb if re.fullmatch(r"optimizer\.schedulers\..*\.last_epoch", k)]}

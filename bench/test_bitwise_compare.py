@@ -79,3 +79,30 @@ def test_a_plain_value_python_rng_and_the_metrics_are_compared(before: Path, tmp
 def test_a_missing_step_checkpoint_is_a_difference(before: Path, tmp_path: Path) -> None:
     after = write_run(tmp_path / "after", METRICS, {"checkpoint.pt": state()})
     assert compare_runs(before, after).problem.startswith("checkpoint files differ")
+
+
+def mappo_state(layout: str) -> dict[str, Any]:
+    """MAPPO's optimiser state as issue 12 left it ("new") or as it was before ("old")."""
+    critic = {"w": torch.ones(2)}
+    if layout == "old":
+        return dict(state(), optimizer={"optimizers": {"shared": {"lr": 0.1}}, "critic": critic, "counters": {"steps": 3}})
+    schedulers = {"shared": {"last_epoch": 3}, "critic": {"last_epoch": 3}}
+    return dict(state(), optimizer={"optimizers": {"shared": {"lr": 0.1}}, "extra": {"critic": critic}, "schedulers": schedulers})
+
+
+def test_mappo_checkpoints_of_one_layout_are_compared_key_by_key(tmp_path: Path) -> None:
+    before = write_run(tmp_path / "before", METRICS, {"checkpoint.pt": mappo_state("new")})
+    assert compare_runs(before, write_run(tmp_path / "same", METRICS, {"checkpoint.pt": mappo_state("new")})).problem is None
+    other = mappo_state("new")
+    other["optimizer"]["schedulers"]["critic"]["last_epoch"] = 2
+    found = compare_runs(before, write_run(tmp_path / "other", METRICS, {"checkpoint.pt": other})).problem
+    assert found == "checkpoint.pt: value optimizer.schedulers.critic.last_epoch differs: 3 vs 2"
+
+
+def test_mappo_before_issue_12_is_compared_with_its_moved_keys(tmp_path: Path) -> None:
+    before = write_run(tmp_path / "before", METRICS, {"checkpoint.pt": mappo_state("old")})
+    assert compare_runs(before, write_run(tmp_path / "after", METRICS, {"checkpoint.pt": mappo_state("new")})).problem is None
+    moved = mappo_state("new")
+    moved["optimizer"]["extra"]["critic"]["w"] = torch.tensor([1.0, 2.0])
+    found = compare_runs(before, write_run(tmp_path / "moved", METRICS, {"checkpoint.pt": moved})).problem
+    assert found == "checkpoint.pt: tensor optimizer.critic.w differs"
