@@ -12,7 +12,10 @@ process, checkpointing every step (``train.save_every=1``) and logging every ste
   ``policy.options.path`` and ``policy.options.gguf_file``; both are built once and handed to both commits;
 * ``torchrun_ddp`` and ``torchrun_fsdp``: the default run on 2 CPU processes over gloo
   (``torchrun --nproc_per_node=2 -m palestra train distributed.strategy=ddp|fsdp``), and
-  ``customer_service_mappo_ddp`` / ``_fsdp``: the MAPPO example the same way.
+  ``customer_service_mappo_ddp`` / ``_fsdp``: the MAPPO example the same way;
+* ``NAME_dense``: the default run, every single-agent example and the two torchrun default runs again with a length
+  reward that differs for almost every completion (see ``DENSE_TARGET``): a few steps of the examples' own rewards
+  leave most advantages at 0.
 
 Then it compares each case's run folders with ``bitwise_compare.compare_runs`` (metrics but the wall-clock keys,
 every checkpoint bitwise but numpy's global RNG state and the logged file sizes) and prints one line per case.
@@ -144,9 +147,30 @@ def tiny_models(work: Path) -> tuple[Path, Path]:
     return hf_dir, gguf_path
 
 
+# From random weights a few steps rarely earn an example's reward (the answer format comes later), so every
+# advantage is 0 and a changed policy-gradient term would go unseen. The dense variants swap the reward for a
+# length one whose target lies beyond any completion: the score is then length / target, different for almost every
+# completion, so every group has non-zero advantages from the first step. Targets in characters: the tiny policy
+# writes at most a few dozen, the hf ones (256 and 12 new tokens of a byte-level tokenizer) at most a few thousand.
+DENSE_TARGET = {"tiny": 64, "hf": 8192}
+
+
+def dense_reward(target: int) -> str:
+    return f"reward={{name: length, options: {{target: {target}, unit: chars}}}}"
+
+
+def single_agent_policy(path: Path) -> str | None:
+    """The policy name of an example without agents (MAPPO's already earn non-zero rewards), else None."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    return None if raw.get("agents") else raw.get("policy", {}).get("name", "tiny")
+
+
 def cases(examples: Path, hf_dir: Path, gguf_path: Path) -> dict[str, Case]:
     """Every case, named; ``examples`` is the earlier commit's folder, which both sides train from."""
     out = {"default": Case("default", [])}
+    dense = {"default_dense": Case("default_dense", [dense_reward(DENSE_TARGET["tiny"])])}
     for path in sorted(examples.glob("*.yaml")):
         args = ["--config", str(path)]
         if path.stem == "hf_local":
@@ -154,11 +178,17 @@ def cases(examples: Path, hf_dir: Path, gguf_path: Path) -> dict[str, Case]:
         elif path.stem == "smollm2_lora":
             args += [f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}"]
         out[path.stem] = Case(path.stem, args)
+        policy = single_agent_policy(path)
+        if policy in DENSE_TARGET:
+            dense[f"{path.stem}_dense"] = Case(f"{path.stem}_dense", [*args, dense_reward(DENSE_TARGET[policy])])
+    out.update(dense)
     mappo = ["--config", str(examples / "customer_service_mappo.yaml"), "train.batch_size=4"]  # 2 episodes a rank
     for strategy in ("ddp", "fsdp"):
         # gloo and a short collective timeout: a rank that dies fails the job in seconds instead of hanging it
         dist = ["train.device=cpu", f"distributed.strategy={strategy}", "distributed.backend=gloo", "distributed.timeout_s=300"]
         out[f"torchrun_{strategy}"] = Case(f"torchrun_{strategy}", dist, torchrun=True)
+        out[f"torchrun_{strategy}_dense"] = Case(f"torchrun_{strategy}_dense", [*dist, dense_reward(DENSE_TARGET["tiny"])],
+                                                 torchrun=True)
         out[f"customer_service_mappo_{strategy}"] = Case(f"customer_service_mappo_{strategy}", mappo + dist, torchrun=True)
     return out
 
