@@ -1,21 +1,41 @@
 """Prove that a refactor changed no behaviour: train the same configs at two commits and compare bitwise.
 
-For each commit the script checks the tree out with ``git worktree`` (a clean copy, whatever the work tree
-holds), installs it without dependencies into a folder of its own (``pip install --target``: the installed
-package and its entry points, found first through ``PYTHONPATH``), and runs ``python -m palestra train`` on
-the default run and on every ``examples/*.yaml`` for ``--steps`` steps, one thread each, into a run folder
-per commit. Then it compares, config by config:
+For each commit the script exports the tree (``git archive``: a clean copy, whatever the work tree holds), installs
+it without dependencies into a folder of its own (``pip install --target``: the installed package and its entry
+points, found first through ``PYTHONPATH``), and trains every case below for ``--steps`` steps, one thread per
+process, checkpointing every step (``train.save_every=1``) and logging every step (``train.log_every=1``):
 
-* ``metrics.jsonl``: every line and every key, except the wall-clock ones (``time``, ``perf/*``);
-* the final checkpoint: every tensor bitwise (``torch.equal`` on the same dtype and shape) and every other
-  value equal, key path by key path, except the wall-clock ``logs`` sizes (which follow the metrics' text) and numpy's
-  global RNG state (never seeded or drawn from by a run, so it differs between any two processes).
+* ``default``: ``palestra train`` with no config;
+* every ``examples/*.yaml``, as the earlier commit wrote them (MAPPO and the multi-agent ones included).
+  ``hf_local`` gets a tiny Llama folder (``tests/fixtures/tiny_hf.py``) as ``policy.options.path``, and
+  ``smollm2_lora`` (LoRA through peft) a tiny Llama GGUF file (``tests/fixtures/tiny_gguf.py``) as
+  ``policy.options.path`` and ``policy.options.gguf_file``; both are built once and handed to both commits;
+* ``torchrun_ddp`` and ``torchrun_fsdp``: the default run on 2 CPU processes over gloo
+  (``torchrun --nproc_per_node=2 -m palestra train distributed.strategy=ddp|fsdp``), and
+  ``customer_service_mappo_ddp`` / ``_fsdp``: the MAPPO example the same way;
+* ``NAME_dense``: the default run, every single-agent example and the two torchrun default runs again with a length
+  reward that differs for almost every completion (see ``DENSE_TARGET``): a few steps of the examples' own rewards
+  leave most advantages at 0.
 
-``examples/hf_local.yaml`` needs a model folder: a tiny Llama is built locally (``tests/fixtures/tiny_hf.py``)
-and passed as ``policy.options.path`` to both commits. Exit status 0 when every config matches, 1 otherwise;
-one line per config either way.
+Then it compares each case's run folders with ``bitwise_compare.compare_runs`` (metrics but the wall-clock keys,
+every checkpoint bitwise but the file header's run id, save time and digest, numpy's global RNG state and the logged
+file sizes) and prints one line per case. Exit status 0 when every case matches, 1 otherwise (a run that fails on
+either side counts as a mismatch; its output is in ``runs/NAME.log`` beside the run folders).
 
-    python bench/bitwise_before_after.py --before 8f75a5c --after HEAD [--steps 50] [--only grpo,default]
+Checked on 328b40e against itself: 38 cases identical; against the same commit with GRPO's advantages scaled by
+one ulp, ``grpo_dense`` and both torchrun ``_dense`` cases differ at step 1 and ``ppo_dense`` stays identical.
+
+Both commits at once, or the earlier side kept once and reused:
+
+    python bench/bitwise_before_after.py --before 328b40e --after HEAD [--steps 3] [--only grpo,default]
+    python bench/bitwise_before_after.py --before 328b40e --keep /work/bitwise-before     # the before side alone
+    python bench/bitwise_before_after.py --before-dir /work/bitwise-before --after HEAD   # later: the after side
+
+``--keep DIR`` writes the before side (its exported tree, installed site, kernel cache and run folders, the tiny
+models, and ``manifest.json``: the commit, the steps, the Python/torch/transformers versions, every case's command
+and outcome) under ``DIR``; run again with the same commit it skips the cases already done. ``--before-dir DIR`` runs only the after side, with the
+manifest's cases and the kept tiny models, in a temporary folder (removed when everything matches, kept and named
+otherwise).
 """
 
 from __future__ import annotations
@@ -23,198 +43,316 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+
+from bitwise_compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-CLOCK_KEYS = ("time",)
-CLOCK_PREFIXES = ("perf/",)
+MANIFEST = "manifest.json"
+GGUF_NAME = "tiny-llama.gguf"  # tests/fixtures/tiny_gguf.py's file name
+# Environment variables a run must not inherit: torchrun's rendezvous, test hooks, another install's path.
+INHERITED_NOT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
 
 
-def sh(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=env, text=True, capture_output=True, check=False)
+@dataclass
+class Case:
+    """One training run, the same on both sides: ``palestra train ARGS`` in one process or under torchrun."""
+
+    name: str
+    args: list[str]
+    torchrun: bool = False
+    seconds: float | None = None  # how long the kept side's run took
+    error: str | None = None  # why the kept side's run failed; None when it finished
 
 
-def install(rev: str, work: Path) -> Path:
-    """Check ``rev`` out into ``work/src`` and install it into ``work/site``; returns the site folder."""
-    sha = sh("git", "rev-parse", rev, cwd=ROOT).stdout.strip()
+@dataclass
+class Manifest:
+    """What a kept before side holds: enough to run the after side the same way and to refuse a mismatched reuse."""
+
+    commit: str
+    steps: int
+    versions: dict[str, str]
+    cases: dict[str, Case] = field(default_factory=dict)
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @staticmethod
+    def read(folder: Path) -> Manifest:
+        raw = json.loads((folder / MANIFEST).read_text())
+        return Manifest(raw["commit"], raw["steps"], raw["versions"], {k: Case(**v) for k, v in raw["cases"].items()})
+
+
+def fail(message: str) -> None:
+    sys.exit(f"bitwise_before_after: {message}")
+
+
+def sh(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, text=True, capture_output=True, check=False)
+
+
+def commit_of(rev: str) -> str:
+    sha = sh("git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=ROOT).stdout.strip()
     if not sha:
-        sys.exit(f"bitwise_before_after: {rev!r} is not a commit of {ROOT}")
-    src, site = work / "src", work / "site"
-    out = sh("git", "worktree", "add", "--detach", str(src), sha, cwd=ROOT)
-    if out.returncode:
-        sys.exit(f"bitwise_before_after: git worktree add {sha[:12]} failed: {out.stderr.strip()}")
+        fail(f"{rev!r} is not a commit of {ROOT}")
+    return sha
+
+
+def versions() -> dict[str, str]:
+    """What the numbers depend on besides the commit: a kept side run under other versions cannot match bitwise."""
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": platform.machine()}
+
+
+def install(sha: str, side: Path) -> Path:
+    """Export ``sha`` into ``side/src`` and install it into ``side/site``; returns the site folder. A site of the
+    same commit already there (a kept side run again) is reused."""
+    src, site, stamp = side / "src", side / "site", side / "commit"
+    if stamp.exists() and stamp.read_text().strip() == sha and (site / "palestra").is_dir():
+        return site
+    for folder in (src, site):
+        shutil.rmtree(folder, ignore_errors=True)
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, capture_output=True, check=False)
+    if archive.returncode:
+        fail(f"git archive {sha[:12]} failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     out = sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(src))
     if out.returncode:
-        sys.exit(f"bitwise_before_after: installing {sha[:12]} failed: {out.stderr.strip().splitlines()[-1]}")
+        fail(f"installing {sha[:12]} failed: {out.stderr.strip().splitlines()[-1]}")
+    stamp.write_text(sha + "\n")
     return site
 
 
-def configs(only: set[str] | None, before_src: Path, after_src: Path) -> dict[str, list[str]]:
-    """name -> the train arguments (the default run has none): the examples both commits have, as the earlier
-    commit wrote them (an example added later has nothing to be compared with)."""
-    out = {"default": []}
-    for path in sorted((before_src / "examples").glob("*.yaml")):
-        if (after_src / "examples" / path.name).exists():
-            out[path.stem] = ["--config", str(path)]
-    return {k: v for k, v in out.items() if only is None or k in only}
+def tiny_models(work: Path) -> tuple[Path, Path]:
+    """``(hf_dir, gguf_path)``: a tiny Llama folder and a tiny Llama GGUF file under ``work``, built once."""
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    hf_dir, gguf_path = work / "tiny-llama", work / "tiny-gguf" / "gguf" / GGUF_NAME
+    if not (hf_dir / "config.json").exists():
+        from tiny_hf import build_llama
+
+        build_llama(hf_dir)
+    if not gguf_path.exists():
+        from tiny_gguf import build_llama_gguf
+
+        built, _ = build_llama_gguf(work / "tiny-gguf")
+        assert built == gguf_path, built
+    return hf_dir, gguf_path
 
 
-def run(site: Path, name: str, args: list[str], steps: int, out_dir: Path, extra: list[str]) -> Path:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PALESTRA_TEST")}
+# From random weights a few steps rarely earn an example's reward (the answer format comes later), so every
+# advantage is 0 and a changed policy-gradient term would go unseen. The dense variants swap the reward for a
+# length one whose target lies beyond any completion: the score is then length / target, different for almost every
+# completion, so every group has non-zero advantages from the first step. Targets in characters: the tiny policy
+# writes at most a few dozen, the hf ones (256 and 12 new tokens of a byte-level tokenizer) at most a few thousand.
+DENSE_TARGET = {"tiny": 64, "hf": 8192}
+
+
+def dense_reward(target: int) -> str:
+    return f"reward={{name: length, options: {{target: {target}, unit: chars}}}}"
+
+
+def single_agent_policy(path: Path) -> str | None:
+    """The policy name of an example without agents (MAPPO's already earn non-zero rewards), else None."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    return None if raw.get("agents") else raw.get("policy", {}).get("name", "tiny")
+
+
+def cases(examples: Path, hf_dir: Path, gguf_path: Path) -> dict[str, Case]:
+    """Every case, named; ``examples`` is the earlier commit's folder, which both sides train from."""
+    out = {"default": Case("default", [])}
+    dense = {"default_dense": Case("default_dense", [dense_reward(DENSE_TARGET["tiny"])])}
+    for path in sorted(examples.glob("*.yaml")):
+        args = ["--config", str(path)]
+        if path.stem == "hf_local":
+            args.append(f"policy.options.path={hf_dir}")
+        elif path.stem == "smollm2_lora":
+            args += [f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}"]
+        out[path.stem] = Case(path.stem, args)
+        policy = single_agent_policy(path)
+        if policy in DENSE_TARGET:
+            dense[f"{path.stem}_dense"] = Case(f"{path.stem}_dense", [*args, dense_reward(DENSE_TARGET[policy])])
+    out.update(dense)
+    mappo = ["--config", str(examples / "customer_service_mappo.yaml"), "train.batch_size=4"]  # 2 episodes a rank
+    for strategy in ("ddp", "fsdp"):
+        # gloo and a short collective timeout: a rank that dies fails the job in seconds instead of hanging it
+        dist = ["train.device=cpu", f"distributed.strategy={strategy}", "distributed.backend=gloo", "distributed.timeout_s=300"]
+        out[f"torchrun_{strategy}"] = Case(f"torchrun_{strategy}", dist, torchrun=True)
+        out[f"torchrun_{strategy}_dense"] = Case(f"torchrun_{strategy}_dense", [*dist, dense_reward(DENSE_TARGET["tiny"])],
+                                                 torchrun=True)
+        out[f"customer_service_mappo_{strategy}"] = Case(f"customer_service_mappo_{strategy}", mappo + dist, torchrun=True)
+    return out
+
+
+def train(case: Case, site: Path, side: Path, examples: Path, steps: int, timeout: float) -> Path:
+    """Run ``case`` with the install in ``site``; returns its run folder (``side/runs/NAME``). Raises
+    ``RuntimeError`` with the output's last lines when it fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in INHERITED_NOT}
     # One kernel cache per side: the two installs build the same sources at different paths.
     env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0",
-               PALESTRA_CACHE_DIR=str(site.parent / "kernel-cache"))
-    # A relative output folder, so that the configs saved in both checkpoints are the same text.
-    cmd = [sys.executable, "-m", "palestra", "train", *args, f"train.steps={steps}", f"run.output_dir={out_dir.name}",
-           f"run.name={name}", *extra]
-    done = subprocess.run(cmd, cwd=out_dir.parent, env=env, text=True, capture_output=True, check=False)
-    if done.returncode:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
-        raise RuntimeError(f"{name}: palestra train exited {done.returncode}: {' | '.join(tail)}")
-    return out_dir / name
+               PALESTRA_CACHE_DIR=str(side / "kernel-cache"))
+    # The examples' relative data paths (examples/data/...) resolve against the working folder: the earlier commit's.
+    link = side / "examples"
+    if not link.exists():
+        link.symlink_to(examples, target_is_directory=True)
+    run_dir = side / "runs" / case.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if case.torchrun else [sys.executable]
+    # A relative output folder, so that the configs saved in both sides' checkpoints are the same text.
+    cmd = [*launcher, "-m", "palestra", "train", *case.args, f"train.steps={steps}", "train.save_every=1",
+           "train.log_every=1", "run.output_dir=runs", f"run.name={case.name}"]
+    # A session of its own, so that a run past the timeout is ended with every process torchrun started.
+    proc = subprocess.Popen(cmd, cwd=side, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"palestra train ran past {timeout:.0f} s") from None
+    (side / "runs").mkdir(exist_ok=True)
+    (side / "runs" / f"{case.name}.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    if proc.returncode:
+        tail = (stderr.strip() or stdout.strip()).splitlines()[-3:]
+        raise RuntimeError(f"palestra train exited {proc.returncode}: {' | '.join(tail)}")
+    return run_dir
 
 
-def flatten(value: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(flatten(v, f"{path}.{k}" if path else str(k)))
-        return out
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) or _is_tensor(v) for v in value):
-        out = {}
-        for i, v in enumerate(value):
-            out.update(flatten(v, f"{path}[{i}]"))
-        return out
-    return {path: value}
-
-
-def _is_tensor(v: Any) -> bool:
-    import torch
-
-    return isinstance(v, torch.Tensor)
-
-
-def compare_metrics(a: Path, b: Path) -> str | None:
-    la = a.read_text().splitlines()
-    lb = b.read_text().splitlines()
-    if len(la) != len(lb):
-        return f"metrics.jsonl has {len(la)} lines before, {len(lb)} after"
-    for i, (x, y) in enumerate(zip(la, lb), 1):
-        ra, rb = json.loads(x), json.loads(y)
-        keep = lambda r: {k: v for k, v in r.items() if k not in CLOCK_KEYS and not k.startswith(CLOCK_PREFIXES)}  # noqa: E731
-        ra, rb = keep(ra), keep(rb)
-        if ra != rb:
-            keys = sorted(set(ra) | set(rb))
-            diff = [k for k in keys if ra.get(k, "<missing>") != rb.get(k, "<missing>")]
-            before, after = [ra.get(k) for k in diff[:2]], [rb.get(k) for k in diff[:2]]
-            return f"metrics.jsonl line {i} differs at {', '.join(diff[:4])}: {before} vs {after}"
-    return None
-
-
-def same_value(x: Any, y: Any) -> bool:
-    """Equality that also walks tuples holding numpy arrays (numpy's and Python's RNG states)."""
-    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(same_value(a, b) for a, b in zip(x, y))
-    if type(x).__module__ == "numpy" or type(y).__module__ == "numpy":
-        import numpy as np
-
-        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
-    return bool(x == y)
-
-
-# Checkpoint layout changes of the architecture redesign (issue 12), all in MAPPO's optimiser state, which moved
-# onto the shared learner loop: its own state went under "extra", the LR schedules are LambdaLR's (one per
-# optimiser, recording "initial_lr" in each param group) instead of a step counter. Every value is still compared:
-# the moved keys under their new names, the old step counter against each schedule's last_epoch.
-MOVED_UNDER_EXTRA = ("critic", "agents", "reward_moments", "value_normalizer", "shared_accum", "counters")
-
-
-def renamed(key: str) -> str:
-    """An after-commit checkpoint key as the before-commit layout names it."""
-    for name in MOVED_UNDER_EXTRA:
-        if key.startswith(f"optimizer.extra.{name}"):
-            return "optimizer." + key[len("optimizer.extra."):]
-    return key
-
-
-def compare_checkpoints(a: Path, b: Path) -> str | None:
-    import re
-
-    import torch
-
-    fa = flatten(torch.load(a, map_location="cpu", weights_only=False))
-    fb = flatten(torch.load(b, map_location="cpu", weights_only=False))
-    if "optimizer.optimizers" in " ".join(fa) and "optimizer.extra.critic" in " ".join(fb):  # MAPPO, redesigned
-        fb = {renamed(k): v for k, v in fb.items()}
-        steps = fa.pop("optimizer.counters.steps", None)
-        epochs = {k: fb.pop(k) for k in [k for k in fb if re.fullmatch(r"optimizer\.schedulers\..*\.last_epoch", k)]}
-        if steps is None or any(v != steps for v in epochs.values()):
-            return f"MAPPO's LR clock differs: counters.steps {steps} before, schedules' last_epoch {epochs} after"
-        for k in [k for k in fb if k.startswith("optimizer.schedulers.") or k.endswith(".initial_lr")]:
-            del fb[k]  # LambdaLR's own bookkeeping (base rates, the factor's last values), new with the schedules
-    for flat in (fa, fb):
-        for key in [k for k in flat if k.startswith("logs.") or k.endswith(".numpy")]:
-            # logged file sizes follow the metrics' wall-clock text; numpy's global RNG is never seeded or used by
-            # a run (it is saved so that a plugin that uses it resumes exactly), so it differs between any two runs
-            del flat[key]
-    if set(fa) != set(fb):
-        only_before, only_after = sorted(set(fa) - set(fb))[:3], sorted(set(fb) - set(fa))[:3]
-        return f"checkpoint keys differ: only before {only_before}, only after {only_after}"
-    for key in fa:
-        x, y = fa[key], fb[key]
-        if _is_tensor(x) or _is_tensor(y):
-            if not (_is_tensor(x) and _is_tensor(y)) or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
-                return f"checkpoint tensor {key} differs"
-        elif not same_value(x, y):
-            return f"checkpoint value {key} differs: {x!r} vs {y!r}"
-    return None
+def timed_train(case: Case, site: Path, side: Path, examples: Path, steps: int, timeout: float) -> tuple[float, str | None]:
+    """``(seconds, error)`` of one run; error is None when it finished."""
+    start = time.monotonic()
+    try:
+        train(case, site, side, examples, steps, timeout)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return time.monotonic() - start, error
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True)
-    ap.add_argument("--after", default="HEAD")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--only", default=None, help="comma-separated config names (default, grpo, ...)")
-    ap.add_argument("--keep", default=None, help="keep the runs in this folder")
+    before = ap.add_mutually_exclusive_group(required=True)
+    before.add_argument("--before", help="the earlier commit (run it here)")
+    before.add_argument("--before-dir", help="a before side kept with --keep: compare against it without re-running")
+    ap.add_argument("--after", default=None, help="the later commit; without it, --before --keep runs the before side alone")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", default=None, help="comma-separated case names (default, grpo, torchrun_fsdp, ...)")
+    ap.add_argument("--keep", default=None, help="keep the before side (and, with --after, the after side) in this folder")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one training run may take")
     args = ap.parse_args()
+    if args.before_dir and args.keep:
+        fail("--keep writes a before side and --before-dir reads one; give one of them")
+    if args.before_dir and not args.after:
+        fail("--before-dir needs --after: the commit to compare with the kept side")
+    if args.before and not (args.after or args.keep):
+        fail("--before alone compares nothing: give --after, or --keep DIR to keep the before side for later")
     only = set(args.only.split(",")) if args.only else None
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="palestra-bitwise-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model = work / "tiny-llama"
-    if not model.exists():
-        sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-        from tiny_hf import build_llama
+    after_sha = commit_of(args.after) if args.after else None
 
-        build_llama(model)
-    sides = {}
+    if args.before_dir:
+        kept = Path(args.before_dir).resolve()
+        if not (kept / MANIFEST).exists():
+            fail(f"--before-dir: {str(kept)!r} holds no {MANIFEST} (write one with --before REV --keep DIR)")
+        manifest = Manifest.read(kept)
+        if manifest.versions != versions():
+            print(f"warning: the kept side ran under {manifest.versions}, this one runs under {versions()}", flush=True)
+        if args.steps != ap.get_default("steps") and args.steps != manifest.steps:
+            fail(f"--steps {args.steps}: the kept side ran {manifest.steps} steps")
+        before_side = kept / "before"
+        work = Path(tempfile.mkdtemp(prefix="palestra-bitwise-after-"))
+    else:
+        sha = commit_of(args.before)
+        work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="palestra-bitwise-"))
+        work.mkdir(parents=True, exist_ok=True)
+        before_side = work / "before"
+        manifest = Manifest(sha, args.steps, versions())
+        if (work / MANIFEST).exists():
+            old = Manifest.read(work)
+            if (old.commit, old.steps, old.versions) == (sha, args.steps, manifest.versions):
+                manifest.cases = {k: v for k, v in old.cases.items() if v.error is None}  # done: skipped this time
+            else:
+                shutil.rmtree(before_side, ignore_errors=True)  # another commit's runs: start afresh
     try:
-        for side, rev in (("before", args.before), ("after", args.after)):
-            sides[side] = install(rev, work / side)
-        failed = 0
-        chosen = configs(only, work / "before" / "src", work / "after" / "src")
-        for name, cfg in chosen.items():
-            extra = [f"policy.options.path={model}"] if name == "hf_local" else []
-            runs = {}
-            for side in ("before", "after"):
-                out_dir = work / side / "runs"
-                out_dir.mkdir(exist_ok=True)
-                runs[side] = run(sides[side], name, cfg, args.steps, out_dir, extra)
-            problem = compare_metrics(runs["before"] / "metrics.jsonl", runs["after"] / "metrics.jsonl") or compare_checkpoints(
-                runs["before"] / "checkpoint.pt", runs["after"] / "checkpoint.pt"
-            )
-            lines = len((runs["after"] / "metrics.jsonl").read_text().splitlines())
-            verdict = f"DIFFERS: {problem}" if problem else f"identical ({lines} metric lines, checkpoint tensors bitwise)"
-            print(f"{name:24s} {verdict}", flush=True)
-            failed += problem is not None
-    finally:
-        for side in sides:
-            sh("git", "worktree", "remove", "--force", str(work / side / "src"), cwd=ROOT)
-    print(f"{len(chosen) - failed} identical, {failed} differing ({args.before} -> {args.after}, {args.steps} steps)")
+        return run_cases(args, manifest, work, before_side, after_sha, only)
+    except SystemExit:
+        if not args.keep:  # a temporary folder, of no use once a setup step failed
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def run_cases(args: argparse.Namespace, manifest: Manifest, work: Path, before_side: Path, after_sha: str | None,
+              only: set[str] | None) -> int:
+    """Train the chosen cases (the before side unless kept, the after side when given), compare, print a line each."""
+    steps = manifest.steps
+    examples = before_side / "src" / "examples"
+    models = Path(args.before_dir).resolve() if args.before_dir else work
+    hf_dir, gguf_path = tiny_models(models)
+
+    before_site = None if args.before_dir else install(manifest.commit, before_side)
+    chosen = cases(examples, hf_dir, gguf_path)
+    if args.before_dir:
+        chosen = {k: manifest.cases.get(k, v) for k, v in chosen.items() if k in manifest.cases}
+    if only is not None:
+        unknown = only - set(chosen)
+        if unknown:
+            fail(f"--only: no case named {', '.join(sorted(unknown))} (cases: {', '.join(chosen)})")
+        chosen = {k: v for k, v in chosen.items() if k in only}
+    after_side = work / "after"
+    after_site = install(after_sha, after_side) if after_sha else None
+
+    failed = 0
+    total_before = total_after = 0.0
+    for name, case in chosen.items():
+        if before_site is not None:
+            done = manifest.cases.get(name)
+            if done is not None and (before_side / "runs" / name).is_dir():
+                case = done
+            else:
+                case.seconds, case.error = timed_train(case, before_site, before_side, examples, steps, args.timeout)
+                manifest.cases[name] = case
+                if args.keep:
+                    manifest.write(work)
+        total_before += case.seconds or 0.0
+        if case.error is not None:
+            print(f"{name:28s} FAILED before: {case.error}", flush=True)
+            failed += 1
+            continue
+        if after_site is None:
+            print(f"{name:28s} ran ({case.seconds:.0f} s)", flush=True)
+            continue
+        seconds, error = timed_train(case, after_site, after_side, examples, steps, args.timeout)
+        total_after += seconds
+        if error is not None:
+            print(f"{name:28s} FAILED after: {error}", flush=True)
+            failed += 1
+            continue
+        found = compare_runs(before_side / "runs" / name, after_side / "runs" / name)
+        what = (f"DIFFERS: {found.problem}" if found.problem else
+                f"identical ({found.metric_lines} metric lines, {found.checkpoints} checkpoints bitwise)")
+        print(f"{name:28s} {what} [{case.seconds:.0f} s / {seconds:.0f} s]", flush=True)
+        failed += found.problem is not None
+
+    label = f"{manifest.commit[:9]} -> {args.after}" if args.after else f"{manifest.commit[:9]} kept in {work}"
+    verdict = f"{len(chosen) - failed} identical, {failed} differing or failed" if args.after else f"{len(chosen) - failed} ran, {failed} failed"
+    print(f"{verdict} ({label}, {steps} steps; before {total_before:.0f} s, after {total_after:.0f} s)")
+    if not args.keep:  # a temporary folder: kept to look into only when something differs
+        if failed:
+            print(f"the runs are kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
 
