@@ -575,19 +575,19 @@ class Logger(Protocol):
 
 
 __all__ = [
-    "AdapterPolicy",
-    "Exportable",
-    "HeldOutSplit",
     "DEFAULT_AGENT",
+    "AdapterPolicy",
     "AgentId",
     "Environment",
     "Episode",
     "Experience",
-    "Generation",
+    "Exportable",
     "FileLogger",
+    "Generation",
     "Generator",
     "GradientCheckpointing",
     "HeldOutScoring",
+    "HeldOutSplit",
     "Logger",
     "Message",
     "Observation",

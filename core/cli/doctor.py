@@ -222,6 +222,7 @@ def kernel_cases(device: Any) -> list[tuple[str, Callable[[], Any], Callable[[],
     The truths are written out here, independently of palestra.kernels, so the torch back end is checked too.
     """
     import torch
+
     from palestra import kernels as K
 
     g = torch.Generator().manual_seed(0)
@@ -311,6 +312,7 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
     """Every op on every back end: ``torch`` and ``cpp`` on the CPU, ``cuda`` and ``triton`` on a GPU (or Triton's
     interpreter on the CPU when TRITON_INTERPRET=1)."""
     import torch
+
     from palestra.kernels import KernelBuildError, set_backend
     from palestra.kernels.dispatch import (
         BackendUnavailable,
@@ -610,6 +612,7 @@ class PreparedBatch:
 def check_training(config: Config, threshold: float) -> list[Check]:
     """Build the Trainer exactly as ``palestra train`` does and run one step, recording gradients and utilisation."""
     import torch
+
     from palestra.engine.trainer import Trainer
 
     checks: list[Check] = []

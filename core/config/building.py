@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from palestra.checked_reward import CheckedReward
+from palestra.errors import ComponentBuildError, ConfigError
 from palestra.registry import Registry
 
-from palestra.errors import ComponentBuildError, ConfigError
-from .schema import ComponentSpec, SPEC_TYPES
+from .schema import SPEC_TYPES, ComponentSpec
 from .validation import _ACTIVE_REGISTRY, _convert, _init_fields, _lookup, default_registry, to_plain
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
     registry = registry or _ACTIVE_REGISTRY.get() or default_registry()
     token = _ACTIVE_REGISTRY.set(registry)
     try:
-        if not (isinstance(spec, ComponentSpec) and spec.path and spec.KIND == kind):
+        if not (isinstance(spec, ComponentSpec) and spec.path and kind == spec.KIND):
             spec = _convert(to_plain(spec), SPEC_TYPES[kind], path)
         assert isinstance(spec, ComponentSpec)
         reg = _lookup(registry, kind, spec.name, path)

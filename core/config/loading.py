@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
+from palestra.errors import ConfigError
 from palestra.registry import Registry
 
-from palestra.errors import ConfigError
 from .schema import Config
 from .validation import _ACTIVE_REGISTRY, _convert, _join, _kind_of, _Override, default_registry, to_plain
 

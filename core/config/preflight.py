@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from palestra.errors import ConfigError
+
 from .schema import Config, TrainConfig
 
 __all__ = ["preflight", "resolve_device", "rollout_bytes_floor"]

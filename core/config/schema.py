@@ -7,9 +7,8 @@ import re
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, Literal
 
-from palestra.registry import KINDS, Registry
-
 from palestra.errors import OptionError
+from palestra.registry import KINDS, Registry
 
 
 # ---- declaring options -------------------------------------------------------------------------------

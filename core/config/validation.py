@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, Union
 
+from palestra.errors import ConfigError, OptionError
 from palestra.registry import Registration, Registry, RegistryError
 
-from palestra.errors import ConfigError, OptionError
 from .schema import ComponentSpec
 
 # ---- the registry used for validation and building ---------------------------------------------------

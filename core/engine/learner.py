@@ -36,7 +36,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from palestra.context import TrainContext
-from palestra.engine.algorithm import Algorithm, AlgorithmOptions, ParamGroup, ReplayOptions, check_option, token_weights
+from palestra.engine.algorithm import (
+    Algorithm,
+    AlgorithmOptions,
+    ParamGroup,
+    ReplayOptions,
+    check_option,
+    token_weights,
+)
 from palestra.engine.diagnostics import MAX_METRICS, diagnostics_probe, floats, group_diagnostics, update_ratio
 from palestra.engine.micro_plans import MicroBatchPlanner
 from palestra.engine.optimizers import build_optimizers, learner_state, load_learner_state

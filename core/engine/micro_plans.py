@@ -82,7 +82,13 @@ class MicroBatchPlanner:
     def with_backoff(self, batch: Experience, budget: int | None, attempt: Callable[[int | None], Any], what: str) -> Any:
         """``attempt(budget)``; under ``train.auto_micro_batch`` an out-of-memory error halves the budget and
         retries, until a plan of one row per micro-batch fails too (then a one-line :class:`OutOfMemory`)."""
-        from palestra.scale.micro_batching import OutOfMemory, free_cached_memory, is_out_of_memory, plan_micro_batches, row_tokens
+        from palestra.scale.micro_batching import (
+            OutOfMemory,
+            free_cached_memory,
+            is_out_of_memory,
+            plan_micro_batches,
+            row_tokens,
+        )
 
         while True:
             try:

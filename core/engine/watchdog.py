@@ -89,7 +89,7 @@ class StepWatchdog:
             self._phases.clear()
             self._since = None
 
-    def __enter__(self) -> StepWatchdog:  # noqa: PYI034
+    def __enter__(self) -> StepWatchdog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -235,7 +235,7 @@ class StopSignals:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignals:  # noqa: PYI034
+    def __enter__(self) -> StopSignals:
         self.received = None
         if threading.current_thread() is not threading.main_thread():
             return self

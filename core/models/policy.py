@@ -28,7 +28,6 @@ import torch
 
 from palestra.types import AgentId, Observation
 
-
 # score() fuses the output head with the log-prob kernel (palestra.kernels.linear_logprob_entropy) only when the
 # fp32 logits of a call would take at least this much memory: the fused op never keeps them, but on a CPU it is
 # about 0.9x the speed of the unfused path (docs/kernels.md), so small heads (the tiny policy's) stay unfused.

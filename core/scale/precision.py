@@ -20,7 +20,7 @@ The scaler's state is part of :meth:`Learner.state_dict` (exact resume keeps the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch

@@ -99,7 +99,7 @@ class WandbLogger:
 
     def _settings(self) -> Any:
         known = getattr(self._wandb.Settings, "model_fields", None)
-        wanted = {k: v for k, v in _QUIET_SETTINGS.items() if known is None and k in ("silent", "console") or known is not None and k in known}
+        wanted = {k: v for k, v in _QUIET_SETTINGS.items() if (known is None and k in ("silent", "console")) or (known is not None and k in known)}
         return self._wandb.Settings(**wanted)
 
 

@@ -29,6 +29,7 @@ from palestra import Algorithm, Experience, ReplayOptions, hookimpl, option
 
 if TYPE_CHECKING:
     import torch
+
     from palestra.kernels import RunningMoments
 
 
@@ -56,6 +57,7 @@ class Reinforce(Algorithm):
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
         """Each row's agent segment; a new agent gets a fresh segment (the statistics grow by one)."""
         import torch
+
         from palestra.kernels import RunningMoments
 
         for a in agent_ids:

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from palestra.config import check_options
-from palestra.models.policy import CausalLMPolicy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from palestra.config import check_options
+from palestra.models.policy import CausalLMPolicy
 from palestra.plugins.policies.char_tokenizer import CharTokenizer
 from palestra.plugins.policies.tiny import TinyOptions
 

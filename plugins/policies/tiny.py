@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, option
-
 from palestra.plugins.policies.char_tokenizer import check_vocabulary
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
-from palestra.config import OptionError, RewardSpec, check_options, option
 from palestra.checked_reward import RewardError, _evaluate, max_score
+from palestra.config import OptionError, RewardSpec, check_options, option
 from palestra.types import RewardOutput
 
 if TYPE_CHECKING:

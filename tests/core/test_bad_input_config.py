@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from palestra import cli
 from palestra.config import ConfigError, TrainConfig, load_config, option
 from palestra.plugin_manager import get_registry

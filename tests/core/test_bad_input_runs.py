@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import check_reset, check_step
 from palestra.engine.watchdog import Interrupted, StopSignals

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from palestra.checked_reward import RewardError
 from palestra.config import ConfigError, build_component
+from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.arithmetic import ArithmeticEnv, evaluate
 from palestra.plugins.envs.relay import ATTRIBUTES, ROLES, RelayEnv
 from palestra.plugins.rewards.basic import extract_tag, parse_number
-from palestra.checked_reward import RewardError
-from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.types import Environment, Observation
 
 

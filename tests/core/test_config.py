@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from palestra.checked_reward import CheckedReward
 from palestra.config import (
     ComponentBuildError,
     Config,
@@ -23,9 +25,8 @@ from palestra.config import (
     validate_config,
 )
 from palestra.plugin_manager import get_registry
-from palestra.registry import Registration, Registry
-from palestra.checked_reward import CheckedReward
 from palestra.plugins.rewards.combinators import Layer, Layered
+from palestra.registry import Registration, Registry
 
 YAML_CONFIG = """
 run:

@@ -31,7 +31,7 @@ import re
 import shlex
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -181,7 +181,7 @@ class Outcome:
     err: str
 
 
-@lru_cache(maxsize=None)
+@cache
 def call(args: tuple[str, ...]) -> Outcome:
     """``palestra *args`` in process, from the repository root, with its exit status and output."""
     from palestra.cli import main
@@ -203,7 +203,7 @@ def call(args: tuple[str, ...]) -> Outcome:
     return Outcome(int(code or 0), out.getvalue(), err.getvalue())
 
 
-@lru_cache(maxsize=None)
+@cache
 def parses(args: tuple[str, ...]) -> str | None:
     """None when the real parser accepts ``args``; else its error."""
     from palestra.cli import build_parser
@@ -353,7 +353,7 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def anchors(path: Path) -> frozenset[str]:
     found, seen, in_fence = set(), {}, False
     for line in path.read_text(encoding="utf-8").splitlines():

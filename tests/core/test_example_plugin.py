@@ -10,10 +10,10 @@ import json
 import textwrap
 import warnings
 
+import plugin_installs
 import pytest
 import yaml
 
-import plugin_installs
 from palestra import plugin_manager
 from palestra.config import ConfigError, build_component, load_config
 from palestra.plugin_manager import PalestraPluginWarning

@@ -14,6 +14,7 @@ from pathlib import Path
 import plugin_installs
 import pytest
 import torch
+
 from palestra import cli
 from palestra.config import load_config
 from palestra.engine import checkpoint as ckpt

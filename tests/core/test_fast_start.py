@@ -14,9 +14,9 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import plugin_installs
 import pytest
 
-import plugin_installs
 from palestra import cli, plugin_manager
 from palestra.config import ComponentBuildError, build_component, load_config
 

@@ -9,8 +9,13 @@ import math
 
 import pytest
 import torch
-
-from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # the algorithm tests' toy policy (tests/plugins)
+from algo_helpers import (  # the algorithm tests' toy policy (tests/plugins)
+    ToyPolicy,
+    learner_for,
+    make_batch,
+    reference_logprobs,
+    train_config,
+)
 
 from palestra.plugin_manager import get_registry
 from palestra.rl.stats import group_tie_stats

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import plugin_installs
-
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]

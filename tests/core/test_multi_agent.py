@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from palestra.config import AgentsConfig, ConfigError, load_config
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner
+from palestra.engine.rollout import collect, generate_by_agent
+from palestra.engine.trainer import Trainer
 from palestra.multiagent.credit import credit_plan, reward_rows
 from palestra.multiagent.sharing import MultiAgentPolicy, wrap_policy
 from palestra.plugin_manager import get_registry
@@ -21,8 +24,6 @@ from palestra.plugins.envs.customer_service import (
     tiny_policy_options,
 )
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect, generate_by_agent
-from palestra.engine.trainer import Trainer
 from palestra.types import Observation, RewardOutput, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import plugin_installs
 import pytest
+
 from palestra.cli import main
 from palestra.cli.new import SCAFFOLDS, render
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra.cli.dashboard import MetricsFileWarning, MetricsNotFoundError, plan_panels, plot_dashboard, read_metrics
 
 

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import warnings
 
+import plugin_installs
 import pytest
 
 import palestra
-import plugin_installs
 from palestra import hookspecs
 from palestra.plugin_manager import PalestraPluginWarning, get_registry, plugin_infos
 from palestra.registry import RegistryError

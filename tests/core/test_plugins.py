@@ -12,12 +12,12 @@ import importlib.metadata as metadata
 import json
 import subprocess
 import sys
-import tomllib
 import warnings
 
-import pytest
-
 import plugin_installs
+import pytest
+import tomllib
+
 from palestra import cli, plugin_manager
 from palestra.cli.plugins import PLURALS
 from palestra.plugin_manager import BuiltinPluginError, PalestraPluginWarning, PluginError, PluginInfo
@@ -55,7 +55,7 @@ def test_every_plugin_module_is_an_entry_point_and_the_install_is_current() -> N
         for f in plugins.rglob("*.py")
         if "@hookimpl" in f.read_text()
     )
-    assert BUILTIN_MODULES == hooked
+    assert hooked == BUILTIN_MODULES
     installed = metadata.distribution("palestra").entry_points.select(group="palestra")
     assert {ep.name: ep.value for ep in installed} == declared_builtins(), "stale install: run pip install -e . --no-deps"
 

@@ -14,10 +14,14 @@ import math
 
 import pytest
 import torch
+
+from palestra.config import ConfigError, TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.algorithm import Algorithm
 from palestra.engine.learner import Learner
-from palestra.config import ConfigError, TrainConfig
+from palestra.models.policy import CausalLMPolicy
+from palestra.plugin_manager import get_registry
+from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
 from palestra.scale.micro_batching import (
     OutOfMemory,
     activation_bytes_per_token,
@@ -28,9 +32,6 @@ from palestra.scale.micro_batching import (
     row_widths,
     trim_padding,
 )
-from palestra.plugin_manager import get_registry
-from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
-from palestra.models.policy import CausalLMPolicy
 from palestra.types import Experience
 
 torch.set_num_threads(1)
@@ -373,6 +374,7 @@ def test_gradient_checkpointing_on_a_policy_without_it_is_a_config_error():
 def test_the_hf_policy_switches_transformers_checkpointing_on_and_off(tmp_path):
     pytest.importorskip("transformers")
     import tiny_hf
+
     from palestra.config import build_component
 
     folder = tiny_hf.build_qwen2(tmp_path / "qwen2")

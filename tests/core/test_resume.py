@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from palestra.engine import checkpoint as ckpt
-from palestra.config import ConfigError, build_run, validate_config
+
 from palestra.checked_reward import CheckedReward
-from palestra.scale.distributed import DistributedContext
+from palestra.config import ConfigError, build_run, validate_config
+from palestra.engine import checkpoint as ckpt
 from palestra.engine.trainer import Trainer, TrainingAborted
+from palestra.scale.distributed import DistributedContext
 
 STEPS, SAVE_EVERY, KEEP = 12, 3, 2
 # conftest's raw_config (reinforce with replay and running normalisation, a layered reward: every kind of state a

@@ -18,8 +18,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import tiny_hf
-from palestra.engine import checkpoint as ckpt
 from test_resume import killed_and_resumed, metric_lines
+
+from palestra.engine import checkpoint as ckpt
 
 STEPS, SAVE_EVERY = 8, 2
 

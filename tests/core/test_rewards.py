@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from palestra.checked_reward import CheckedReward, RewardError
 from palestra.config import build_component, load_config
 from palestra.plugin_manager import get_registry
-from palestra.registry import Registration, Registry
-from palestra.checked_reward import CheckedReward, RewardError
 from palestra.plugins.rewards.combinators import Layered, WeightedSum
+from palestra.registry import Registration, Registry
 from palestra.types import RewardOutput
 
 PROMPTS = ["q0", "q1", "q2", "q3"]

@@ -30,7 +30,12 @@ from typing import Any
 import pytest
 
 import robustness
-from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # bench/: on sys.path by pyproject's pytest pythonpath
+from robustness import (  # bench/: on sys.path by pyproject's pytest pythonpath
+    BARE_ANSWER,
+    CONFIGS,
+    config_path,
+    run_one,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.usefixtures("one_thread")]
 

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+
+from palestra.models.sampling import generate, pick_tokens, sample
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.models.sampling import generate, pick_tokens, sample
 from palestra.types import Generation, Observation, SamplingParams
 
 PROMPTS = ["1 + 2 = ?", "34 * 5 =", "7", "12 - 9 + 40 = ?", "?", "0 0 0"]

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from palestra.cli import main
+
 from palestra.checked_reward import CheckedReward
+from palestra.cli import main
 from palestra.config import build_run, validate_config
 from palestra.engine.trainer import NonFiniteStepWarning, Trainer
 from palestra.scale.distributed import DistributedContext

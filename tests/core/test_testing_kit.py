@@ -5,7 +5,6 @@ plugin's own tests the ``palestra_contract`` fixture, and the example plugin's t
 
 from __future__ import annotations
 
-
 import random
 import shutil
 from collections.abc import Callable
@@ -15,11 +14,21 @@ from typing import Any
 import plugin_installs
 import pytest
 import torch
+
 from palestra import Observation, RewardOutput, StepResult
 from palestra.plugin_manager import get_registry
 from palestra.plugins.optimizers.grpo import GRPO
 from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
-from palestra.testing import RULES, ContractError, check, check_environment, check_logger, check_optimizer, check_policy, check_reward
+from palestra.testing import (
+    RULES,
+    ContractError,
+    check,
+    check_environment,
+    check_logger,
+    check_optimizer,
+    check_policy,
+    check_reward,
+)
 from palestra.testing.samples import TINY_POLICY
 
 pytestmark = pytest.mark.usefixtures("one_thread")

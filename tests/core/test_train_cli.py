@@ -15,6 +15,7 @@ import plugin_installs
 import pytest
 import torch
 import yaml
+
 from palestra import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +56,7 @@ def test_train_prints_the_before_after_table_and_the_plot(tmp_path: Path) -> Non
     for row in lines[header + 2 :]:
         if row.startswith("  "):
             before, after = (float(x) for x in row.split()[-2:])
-            assert 0.0 <= before and 0.0 <= after
+            assert before >= 0.0 and after >= 0.0
     plots = [line for line in lines if line.startswith("plot: ")]
     assert len(plots) == 1 and plots[0].endswith(".png")
     png = Path(plots[0].removeprefix("plot: "))

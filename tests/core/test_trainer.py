@@ -19,11 +19,12 @@ from typing import Any
 import plugin_installs
 import pytest
 import torch
+
 from palestra import hookimpl
 from palestra.config import ComponentBuildError, Config, to_plain, validate_config
-from palestra.plugins.envs.relay import ROLES
 from palestra.engine.rollout import Rollout, collect
 from palestra.engine.trainer import Trainer, derive_seed
+from palestra.plugins.envs.relay import ROLES
 from palestra.types import Message, Observation, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")

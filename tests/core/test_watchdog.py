@@ -16,6 +16,7 @@ from pathlib import Path
 
 import plugin_installs
 import pytest
+
 from palestra.engine.watchdog import DataTimeout, StepWatchdog, call_with_timeout
 
 MESSAGE = "palestra: step watchdog: phase '{phase}' of step {step} has run"

@@ -6,7 +6,6 @@ gradcheck and opcheck; what autograd saves; and CausalLMPolicy.score, fused, aga
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

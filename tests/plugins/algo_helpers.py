@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from palestra.config import TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner

@@ -14,17 +14,18 @@ import torch
 from algo_helpers import (
     Masked,
     ToyPolicy,
+    learner_for,
     make_batch,
     reference_logprobs,
-    learner_for,
     reference_scores,
     train_config,
     with_behaviour,
 )
-from palestra.engine.algorithm import Algorithm
-from palestra.plugins.optimizers.grpo import GRPO
+
 from palestra.config import ConfigError
+from palestra.engine.algorithm import Algorithm
 from palestra.plugin_manager import get_registry
+from palestra.plugins.optimizers.grpo import GRPO
 
 ALL = ["reinforce", "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 REWARDS = [1.0, 0.0, 0.5, 0.2, 0.2, 1.0]

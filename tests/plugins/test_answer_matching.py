@@ -6,6 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+
 from palestra.config import build_component
 from palestra.plugins.rewards.basic import answers_match, clean_answer, last_boxed, parse_number, parse_value
 

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from palestra.config import ConfigError, build_component
+from palestra.engine.rollout import collect, reward_rows, run_episodes
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs._support_kb import INTENTS, build_kb, segment, vocabulary
 from palestra.plugins.envs.customer_service import (
@@ -17,7 +19,6 @@ from palestra.plugins.envs.customer_service import (
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.char_tokenizer import CharTokenizer
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect, reward_rows, run_episodes
 from palestra.types import Environment, Observation, SamplingParams
 
 JOINT = {"name": "weighted_sum", "options": {"components": [

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra import cli
 from palestra.config import ConfigError, build_component, load_config
 from palestra.plugins.envs.dataset import DatasetEnv

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from algo_helpers import Masked, ToyPolicy, learner_for, make_batch, reference_scores, train_config as base_config, with_behaviour
+from algo_helpers import Masked, ToyPolicy, learner_for, make_batch, reference_scores, with_behaviour
+from algo_helpers import train_config as base_config
+
 from palestra.config import ConfigError
 from palestra.engine.algorithm import Algorithm
 from palestra.engine.learner import Learner

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import tiny_gguf
+
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.models.policy import CausalLMPolicy
 from palestra.types import Message, Observation

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import tiny_hf
+
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.engine import checkpoint as ckpt
 from palestra.models.policy import CausalLMPolicy

@@ -14,9 +14,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere i
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
+import tiny_hf
 import torch
 
-import tiny_hf
 from palestra.config import ConfigError, build_component
 from palestra.models.policy import CausalLMPolicy
 from palestra.types import Message, Observation, SamplingParams

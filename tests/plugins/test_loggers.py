@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from palestra.config import ConfigError, build_component
-from palestra.cli.dashboard import MetricsFileWarning, read_metrics
+
 from palestra import MissingDependency
+from palestra.cli.dashboard import MetricsFileWarning, read_metrics
+from palestra.config import ConfigError, build_component
 from palestra.plugin_manager import get_registry
 from palestra.plugins.loggers.tensorboard import TensorBoardLogger
 from palestra.plugins.loggers.wandb import WandbLogger

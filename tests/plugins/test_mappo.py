@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 import torch
+
 from palestra.config import AgentsConfig, TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner
+from palestra.engine.rollout import collect
+from palestra.multiagent.credit import credit_plan
 from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect
-from palestra.multiagent.credit import credit_plan
 from palestra.types import Observation, RewardOutput, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")

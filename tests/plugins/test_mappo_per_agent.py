@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from palestra.plugins.optimizers.mappo.per_agent import (
     ValueNormalizer,
     normalize_advantages_per_agent,

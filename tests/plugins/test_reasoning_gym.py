@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra import cli
 from palestra.cli.plugins import describe, format_table
 from palestra.config import ConfigError, build_component, load_config

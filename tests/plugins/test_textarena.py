@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra.config import ConfigError, build_component, load_config
 from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.multiagent.credit import credit_plan

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from palestra.config import ConfigError, build_component
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.char_tokenizer import UNK_TEXT, CharTokenizer

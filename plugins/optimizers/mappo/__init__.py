@@ -158,6 +158,7 @@ class MAPPO(Algorithm):
 
     def _register(self, agent_ids: list[str]) -> None:
         import torch
+
         from palestra.kernels import RunningMoments
 
         from .per_agent import ValueNormalizer
@@ -259,6 +260,7 @@ class MAPPO(Algorithm):
         :meth:`begin_update`); without it, a token mean over ``batch``. The actor's ratio is against
         ``batch.old_logprobs`` and its advantages carry rollout correction's weights (the learner's)."""
         import torch
+
         from palestra.rl import clipped_surrogate, value_loss
 
         o = self.options

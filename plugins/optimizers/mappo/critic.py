@@ -16,14 +16,15 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
+from palestra.models.policy import left_pad
 from palestra.plugins.policies._tiny_model import (
     Block,
     RMSNorm,
     attention_mask_4d,
     rope_table,
 )
-from palestra.models.policy import left_pad
-from torch import nn
 
 
 class StateCritic(nn.Module):

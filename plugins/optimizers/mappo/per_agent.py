@@ -25,8 +25,8 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
-from palestra.kernels import RunningMoments, gae
 
+from palestra.kernels import RunningMoments, gae
 from palestra.rl.checks import FLOAT_DTYPES as _FLOATS
 from palestra.rl.checks import INT_DTYPES as _INTS
 from palestra.rl.checks import as_mask as _mask
