@@ -47,7 +47,18 @@ def install(rev: str, work: Path) -> Path:
     out = sh("git", "worktree", "add", "--detach", str(src), sha, cwd=ROOT)
     if out.returncode:
         sys.exit(f"bitwise_before_after: git worktree add {sha[:12]} failed: {out.stderr.strip()}")
-    out = sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(src))
+    out = sh(
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+        str(src),
+    )
     if out.returncode:
         sys.exit(f"bitwise_before_after: installing {sha[:12]} failed: {out.stderr.strip().splitlines()[-1]}")
     return site
@@ -66,11 +77,25 @@ def configs(only: set[str] | None, before_src: Path, after_src: Path) -> dict[st
 def run(site: Path, name: str, args: list[str], steps: int, out_dir: Path, extra: list[str]) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PALESTRA_TEST")}
     # One kernel cache per side: the two installs build the same sources at different paths.
-    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0",
-               PALESTRA_CACHE_DIR=str(site.parent / "kernel-cache"))
+    env.update(
+        PYTHONPATH=str(site),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        PALESTRA_CACHE_DIR=str(site.parent / "kernel-cache"),
+    )
     # A relative output folder, so that the configs saved in both checkpoints are the same text.
-    cmd = [sys.executable, "-m", "palestra", "train", *args, f"train.steps={steps}", f"run.output_dir={out_dir.name}",
-           f"run.name={name}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "palestra",
+        "train",
+        *args,
+        f"train.steps={steps}",
+        f"run.output_dir={out_dir.name}",
+        f"run.name={name}",
+        *extra,
+    ]
     done = subprocess.run(cmd, cwd=out_dir.parent, env=env, text=True, capture_output=True, check=False)
     if done.returncode:
         tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
@@ -137,7 +162,7 @@ def renamed(key: str) -> str:
     """An after-commit checkpoint key as the before-commit layout names it."""
     for name in MOVED_UNDER_EXTRA:
         if key.startswith(f"optimizer.extra.{name}"):
-            return "optimizer." + key[len("optimizer.extra."):]
+            return "optimizer." + key[len("optimizer.extra.") :]
     return key
 
 
@@ -167,7 +192,12 @@ def compare_checkpoints(a: Path, b: Path) -> str | None:
     for key in fa:
         x, y = fa[key], fb[key]
         if _is_tensor(x) or _is_tensor(y):
-            if not (_is_tensor(x) and _is_tensor(y)) or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            if (
+                not (_is_tensor(x) and _is_tensor(y))
+                or x.dtype != y.dtype
+                or x.shape != y.shape
+                or not torch.equal(x, y)
+            ):
                 return f"checkpoint tensor {key} differs"
         elif not same_value(x, y):
             return f"checkpoint value {key} differs: {x!r} vs {y!r}"
@@ -204,11 +234,13 @@ def main() -> int:
                 out_dir = work / side / "runs"
                 out_dir.mkdir(exist_ok=True)
                 runs[side] = run(sides[side], name, cfg, args.steps, out_dir, extra)
-            problem = compare_metrics(runs["before"] / "metrics.jsonl", runs["after"] / "metrics.jsonl") or compare_checkpoints(
-                runs["before"] / "checkpoint.pt", runs["after"] / "checkpoint.pt"
-            )
+            problem = compare_metrics(
+                runs["before"] / "metrics.jsonl", runs["after"] / "metrics.jsonl"
+            ) or compare_checkpoints(runs["before"] / "checkpoint.pt", runs["after"] / "checkpoint.pt")
             lines = len((runs["after"] / "metrics.jsonl").read_text().splitlines())
-            verdict = f"DIFFERS: {problem}" if problem else f"identical ({lines} metric lines, checkpoint tensors bitwise)"
+            verdict = (
+                f"DIFFERS: {problem}" if problem else f"identical ({lines} metric lines, checkpoint tensors bitwise)"
+            )
             print(f"{name:24s} {verdict}", flush=True)
             failed += problem is not None
     finally:

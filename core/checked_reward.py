@@ -120,7 +120,9 @@ class CheckedReward:
             if value.dtype.is_complex:
                 raise RewardError(f"{self.label}: {what} has dtype {value.dtype}, expected real numbers")
             if tuple(value.shape) != (b,):
-                raise RewardError(f"{self.label}: {what} has shape {list(value.shape)}, expected [{b}] (one score per row)")
+                raise RewardError(
+                    f"{self.label}: {what} has shape {list(value.shape)}, expected [{b}] (one score per row)"
+                )
             scores = value.detach().to(torch.float32)
         elif isinstance(value, (list, tuple, np.ndarray)):
             if len(value) != b:
@@ -129,7 +131,9 @@ class CheckedReward:
                 if (isinstance(v, torch.Tensor) and v.numel() == 1) or isinstance(v, np.generic):
                     v = v.item()
                 if not isinstance(v, numbers.Real):
-                    raise RewardError(f"{self.label}: {what} row {i} is {_snippet(v)} ({type(v).__name__}), not a number")
+                    raise RewardError(
+                        f"{self.label}: {what} row {i} is {_snippet(v)} ({type(v).__name__}), not a number"
+                    )
             scores = torch.tensor([float(v) for v in value], dtype=torch.float32)
         else:
             raise RewardError(f"{self.label}: {what} is {type(value).__name__}, expected a float tensor of shape [{b}]")
@@ -177,9 +181,15 @@ def max_score(reward: Any) -> float | None:
     return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
-def _evaluate(reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+def _evaluate(
+    reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+) -> RewardOutput:
     """A nested reward's held-out scores (see :meth:`CheckedReward.evaluate`)."""
-    return reward.evaluate(prompts, completions, metadata) if isinstance(reward, HeldOutScoring) else reward(prompts, completions, metadata)
+    return (
+        reward.evaluate(prompts, completions, metadata)
+        if isinstance(reward, HeldOutScoring)
+        else reward(prompts, completions, metadata)
+    )
 
 
 def _snippet(value: Any) -> str:

@@ -55,8 +55,10 @@ class MissingDependency(ImportError):
 
     def __init__(self, what: str, package: str, install: str, *, cause: ImportError | None = None) -> None:
         self.what, self.install = what, install
-        super().__init__(f"{what} needs the Python package {package!r}, {_why_missing(package, cause)}; install it with: {install}",
-                         name=package)
+        super().__init__(
+            f"{what} needs the Python package {package!r}, {_why_missing(package, cause)}; install it with: {install}",
+            name=package,
+        )
 
 
 def _why_missing(package: str, cause: ImportError | None) -> str:

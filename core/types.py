@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
-
     import torch
 
     from palestra.context import TrainContext
@@ -232,8 +231,18 @@ class Experience:
     old_logprobs: torch.Tensor | None = None
 
     _ROW_FIELDS = (
-        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs", "rewards",
-        "advantages", "group_ids", "ref_logprobs", "returns", "old_values", "old_logprobs",
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "behaviour_logprobs",
+        "rewards",
+        "advantages",
+        "group_ids",
+        "ref_logprobs",
+        "returns",
+        "old_values",
+        "old_logprobs",
     )
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Experience:
@@ -295,10 +304,15 @@ class Experience:
             returns=cat("returns", per_token),
             old_values=cat("old_values", per_token),
             old_logprobs=cat("old_logprobs", per_token),
-            reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in keys
-                               if all(k in b.reward_components for b in batches)},
+            reward_components={
+                k: torch.cat([b.reward_components[k] for b in batches])
+                for k in keys
+                if all(k in b.reward_components for b in batches)
+            },
             metadata=[m for b in batches for m in b.metadata] if all(b.metadata for b in batches) else [],
-            extras={k: torch.cat([b.extras[k] for b in batches]) for k in extras if all(k in b.extras for b in batches)},
+            extras={
+                k: torch.cat([b.extras[k] for b in batches]) for k in extras if all(k in b.extras for b in batches)
+            },
         )
 
     @property

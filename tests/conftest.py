@@ -38,8 +38,9 @@ def raw_config() -> Callable[..., dict[str, Any]]:
     dashboard at the end. ``sections`` replaces whole sections (a test of another policy, optimiser or reward);
     the ``train`` keywords then update the train section."""
 
-    def make(output_dir: str | Path = "runs", name: str = "r", sections: dict[str, Any] | None = None,
-             **train: Any) -> dict[str, Any]:
+    def make(
+        output_dir: str | Path = "runs", name: str = "r", sections: dict[str, Any] | None = None, **train: Any
+    ) -> dict[str, Any]:
         raw: dict[str, Any] = {
             "run": {"name": name, "seed": 0, "output_dir": str(output_dir)},
             "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},

@@ -109,11 +109,15 @@ def check_reset(out: Any, batch_size: int, group_size: int, *, agents: Sequence[
     return None
 
 
-def check_step(out: Any, actions: Sequence[str | None], live: Sequence[bool], *, agents: Sequence[str] | None = None) -> str | None:
+def check_step(
+    out: Any, actions: Sequence[str | None], live: Sequence[bool], *, agents: Sequence[str] | None = None
+) -> str | None:
     """None if ``out`` keeps the ``step`` rules for ``actions`` (rows ``live`` before the step), else the rule it broke."""
     n = len(live)
     if not isinstance(out, StepResult):
-        return f"step returned {_kind(out)}; it must return a StepResult(observations, done, info) with one entry per row"
+        return (
+            f"step returned {_kind(out)}; it must return a StepResult(observations, done, info) with one entry per row"
+        )
     if len(out.observations) != n:
         return f"step returned {len(out.observations)} rows for a batch of {n}; it must return one entry per row (None for a finished row)"
     for i, (obs, info) in enumerate(zip(out.observations, out.info)):

@@ -197,8 +197,14 @@ class Interrupted(BaseException):
     reports a plugin's errors) turns it into something else. :meth:`line` is what the command prints.
     """
 
-    def __init__(self, signum: int, *, saved_step: int | None = None, run_dir: str | os.PathLike[str] | None = None,
-                 at_once: bool = False) -> None:
+    def __init__(
+        self,
+        signum: int,
+        *,
+        saved_step: int | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        at_once: bool = False,
+    ) -> None:
         super().__init__(signum)
         self.signum, self.saved_step, self.run_dir, self.at_once = signum, saved_step, run_dir, at_once
 

@@ -292,7 +292,9 @@ class CausalLMPolicy(torch.nn.Module):
         completion_mask: torch.Tensor,
         agent_ids: Sequence[AgentId] | None = None,
     ) -> torch.Tensor:
-        return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids).logprobs
+        return self.score(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids
+        ).logprobs
 
     @torch.no_grad()
     def decode_step(

@@ -43,7 +43,9 @@ def _clip_range(fn: str, clip_low: float, clip_high: float | None) -> tuple[floa
     lo = float(clip_low)
     hi = float(clip_high) if clip_high is not None else lo
     if not (0 < lo < 1) or not hi > 0:
-        raise ValueError(f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+        raise ValueError(
+            f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
     return lo, hi
 
 

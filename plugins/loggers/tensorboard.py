@@ -69,4 +69,9 @@ class TensorBoardLogger:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("tensorboard", Requires(TensorBoardLogger, module="tensorboard", install=INSTALL_HINT), options=TensorBoardOptions, description="scalars to TensorBoard event files in <run_dir>/tensorboard")
+    register(
+        "tensorboard",
+        Requires(TensorBoardLogger, module="tensorboard", install=INSTALL_HINT),
+        options=TensorBoardOptions,
+        description="scalars to TensorBoard event files in <run_dir>/tensorboard",
+    )

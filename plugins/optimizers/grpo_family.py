@@ -165,8 +165,10 @@ class DAPO(GRPO):
 
     def update_metrics(self) -> dict[str, float]:
         # groups are kept whole, so the row share is the group share; the loss over no rows is an empty sum (0)
-        return {"dapo/kept_groups_frac": 0.0 if self.empty_update else self.kept_frac,
-                "dapo/empty_update": 1.0 if self.empty_update else 0.0}
+        return {
+            "dapo/kept_groups_frac": 0.0 if self.empty_update else self.kept_frac,
+            "dapo/empty_update": 1.0 if self.empty_update else 0.0,
+        }
 
     def loss(self, batch: Experience, scores: Any):
         return self.clipped_loss(batch, scores, kl_coef=self.options.beta, row_weight=batch.extras.get(ROW_WEIGHT))
@@ -216,9 +218,21 @@ class CISPO(GRPO):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("dapo", DAPO, options=DAPOOptions,
-             description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped or refilled)")
-    register("gspo", GSPO, options=GSPOOptions,
-             description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence")
-    register("cispo", CISPO, options=CISPOOptions,
-             description="CISPO: GRPO advantages, clipped stop-gradient importance weight on every token's log-prob")
+    register(
+        "dapo",
+        DAPO,
+        options=DAPOOptions,
+        description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped or refilled)",
+    )
+    register(
+        "gspo",
+        GSPO,
+        options=GSPOOptions,
+        description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence",
+    )
+    register(
+        "cispo",
+        CISPO,
+        options=CISPOOptions,
+        description="CISPO: GRPO advantages, clipped stop-gradient importance weight on every token's log-prob",
+    )

@@ -132,7 +132,9 @@ class Reinforce(Algorithm):
         from palestra.kernels import RunningMoments
 
         if set(state) != {"agents", "moments"}:
-            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments")
+            raise KeyError(
+                f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments"
+            )
         self.agents = {a: i for i, a in enumerate(state["agents"])}
         self.moments = None
         if state["moments"] is not None:
@@ -142,5 +144,9 @@ class Reinforce(Algorithm):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("reinforce", Reinforce, options=ReinforceOptions,
-             description="REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay")
+    register(
+        "reinforce",
+        Reinforce,
+        options=ReinforceOptions,
+        description="REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay",
+    )

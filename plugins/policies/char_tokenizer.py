@@ -35,7 +35,10 @@ def check_vocabulary(alphabet: str, atoms: Sequence[str], unknown: str) -> tuple
     atom_set: set[str] = set()
     for i, atom in enumerate(atoms):
         if not isinstance(atom, str) or len(atom) < 2:
-            return f"atoms[{i}]", f"must be a string of two or more characters (single characters belong in the alphabet), got {atom!r}"
+            return (
+                f"atoms[{i}]",
+                f"must be a string of two or more characters (single characters belong in the alphabet), got {atom!r}",
+            )
         if atom in atom_set:
             return f"atoms[{i}]", f"{atom!r} is listed twice"
         if atom in SPECIAL_TOKENS:
@@ -112,7 +115,9 @@ class CharTokenizer:
             return "".join([pieces[i] for i in ids])
         except (IndexError, TypeError):
             bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < len(pieces)), ids)
-            raise ValueError(f"CharTokenizer.decode: id {bad!r} is not in the vocabulary of {len(pieces)} tokens") from None
+            raise ValueError(
+                f"CharTokenizer.decode: id {bad!r} is not in the vocabulary of {len(pieces)} tokens"
+            ) from None
 
     def token_to_id(self, token: str) -> int:
         """The id of a vocabulary entry (a special token, an atom or one character)."""
@@ -160,7 +165,11 @@ class CharTokenizer:
         )
         pad, eos, unk = (SPECIAL_TOKENS[i] for i in (self.pad_token_id, self.eos_token_id, self.unk_token_id))
         return PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+            tokenizer_object=backend,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=pad,
+            unk_token=unk,
             model_max_length=model_max_length,
         )
 

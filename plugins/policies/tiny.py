@@ -36,7 +36,9 @@ class TinyOptions:
     alphabet: str = DEFAULT_ALPHABET  # characters that are single tokens
     atoms: list[str] = field(default_factory=lambda: ["<answer>", "</answer>"])  # multi-character single tokens
     unknown: Literal["unk", "drop"] = "unk"  # characters outside the alphabet: <unk> tokens, or dropped
-    seed: int | None = None  # seeds the initial weights; None draws them from torch's global RNG (seeded by the trainer)
+    seed: int | None = (
+        None  # seeds the initial weights; None draws them from torch's global RNG (seeded by the trainer)
+    )
     gradient_checkpointing: bool = False  # recompute each block in the backward pass (training only) to save memory
 
     def __post_init__(self) -> None:

@@ -53,7 +53,12 @@ def test_config_show_resolves_the_plugin_reward_and_environment_by_name(sites, t
     config = yaml.safe_load(result.stdout)
     assert config["reward"] == {
         "name": "keyword_coverage",
-        "options": {"keywords": ["apple", "river"], "metadata_key": "keywords", "case_sensitive": False, "whole_words": True},
+        "options": {
+            "keywords": ["apple", "river"],
+            "metadata_key": "keywords",
+            "case_sensitive": False,
+            "whole_words": True,
+        },
     }
     assert config["environment"]["name"] == "word_usage"
     assert config["environment"]["options"]["num_words"] == 3
@@ -131,7 +136,9 @@ def test_reward_options_case_sensitivity_and_whole_words(example) -> None:
 
 
 def test_reward_errors_name_the_option_or_the_row(example) -> None:
-    with pytest.raises(ConfigError, match=r"^reward\.options: keyword_coverage: keywords\[1\] must be a non-empty string"):
+    with pytest.raises(
+        ConfigError, match=r"^reward\.options: keyword_coverage: keywords\[1\] must be a non-empty string"
+    ):
         load_config(None, ['reward={name: keyword_coverage, options: {keywords: [a, " "]}}'])
     with pytest.raises(ConfigError, match=r"reward\.options\.case_sensitive: expected a boolean"):
         load_config(None, ["reward={name: keyword_coverage, options: {case_sensitive: maybe}}"])
@@ -161,7 +168,9 @@ def test_environment_follows_the_environment_interface(example) -> None:
 
 
 def test_environment_options_are_checked(example) -> None:
-    with pytest.raises(ConfigError, match=r"^environment\.options: word_usage: vocabulary has 2 distinct words, fewer than num_words=3"):
+    with pytest.raises(
+        ConfigError, match=r"^environment\.options: word_usage: vocabulary has 2 distinct words, fewer than num_words=3"
+    ):
         load_config(None, ["environment={name: word_usage, options: {num_words: 3, vocabulary: [a, b, a]}}"])
 
 

@@ -189,7 +189,9 @@ def test_a_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     assert algo.scheduler.last_epoch == 0  # no schedule step either
     [record] = caplog.records
     assert "\n" not in record.getMessage()
-    assert record.getMessage().startswith("grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch ")
+    assert record.getMessage().startswith(
+        "grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch "
+    )
     # The next good batch trains normally.
     m = algo.update(batch)
     assert m["train/skipped"] == 0.0 and algo.scheduler.last_epoch == 1
@@ -210,8 +212,10 @@ def test_a_non_finite_gradient_skips_the_step(caplog):
 def test_grad_sync_hook_is_called_once_per_pass_before_clipping():
     policy = tiny()
     calls = []
-    context = TrainContext(train=train(grad_accum=2, updates_per_batch=3),
-                           grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))))
+    context = TrainContext(
+        train=train(grad_accum=2, updates_per_batch=3),
+        grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))),
+    )
     algo = Learner(build("grpo"), policy, context)
     algo.update(algo.prepare(make_batch(policy)))
     assert calls == [(len(algo.params), True)] * 3
@@ -259,7 +263,9 @@ def test_token_budget_accumulation_is_exact(name, options):
 def test_a_row_bigger_than_the_token_budget_is_a_one_line_error():
     policy = tiny()
     algo = setup(policy, token_budget=9)
-    with pytest.raises(ValueError, match=r"^grpo: train.token_budget=9 is smaller than row 0 of the batch, which needs 10 tokens"):
+    with pytest.raises(
+        ValueError, match=r"^grpo: train.token_budget=9 is smaller than row 0 of the batch, which needs 10 tokens"
+    ):
         algo.update(algo.prepare(make_batch(policy)))
 
 
@@ -306,7 +312,9 @@ def test_out_of_memory_with_one_row_per_micro_batch_gives_up_in_one_line():
     algo = setup(policy, auto_micro_batch=True)
     batch = make_batch(tiny())
     batch.advantages = torch.ones(batch.batch_size)
-    with pytest.raises(OutOfMemory, match=r"^grpo.update: out of memory with one row per micro-batch .*train.auto_micro_batch") as e:
+    with pytest.raises(
+        OutOfMemory, match=r"^grpo.update: out of memory with one row per micro-batch .*train.auto_micro_batch"
+    ) as e:
         algo.update(batch)
     assert "\n" not in str(e.value)
 
@@ -379,7 +387,11 @@ def test_the_hf_policy_switches_transformers_checkpointing_on_and_off(tmp_path):
 
     folder = tiny_hf.build_qwen2(tmp_path / "qwen2")
     policy = build_component("policy", {"name": "hf", "options": {"path": str(folder)}}, path="policy")
-    flag = "is_activation_checkpointing" if hasattr(policy.model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(policy.model, "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     assert not getattr(policy.model, flag)
     setup(policy, gradient_checkpointing=True)
     assert getattr(policy.model, flag) and policy.options.gradient_checkpointing

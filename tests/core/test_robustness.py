@@ -53,8 +53,9 @@ def hundred_facts_run(request: pytest.FixtureRequest) -> Iterator[subprocess.Pop
     bench = str(Path(robustness.__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (bench, os.environ.get("PYTHONPATH")) if p)}
     code = "import json; from robustness import run_one; print(json.dumps(run_one('hundred_facts', 0)['correctness']))"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     yield proc
     if proc.poll() is None:
         proc.kill()

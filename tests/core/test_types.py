@@ -32,7 +32,9 @@ class Echo:
             self.turn[i] += 1
             finished = "bye" in action
             nxt = self.agent_ids[self.turn[i] % 2]
-            obs.append(None if finished else Observation(f"heard {action}", nxt, metadata={"row": i}, turn=self.turn[i]))
+            obs.append(
+                None if finished else Observation(f"heard {action}", nxt, metadata={"row": i}, turn=self.turn[i])
+            )
             done.append(finished)
             info.append({agent: {"said": action}})
         return StepResult(obs, done, info)
@@ -101,13 +103,28 @@ def test_experience_validate_accepts_consistent_batches() -> None:
     ("changes", "expected"),
     [
         ({"rewards": torch.rand(2)}, "Experience.rewards: expected shape [3] (B=3, T=5), got [2]"),
-        ({"advantages": torch.rand(3, 4)}, "Experience.advantages: expected shape [3] or [3, 5] (B=3, T=5), got [3, 4]"),
-        ({"completion_mask": torch.ones(3, 5)}, "Experience.completion_mask: expected dtype torch.bool, got torch.float32"),
+        (
+            {"advantages": torch.rand(3, 4)},
+            "Experience.advantages: expected shape [3] or [3, 5] (B=3, T=5), got [3, 4]",
+        ),
+        (
+            {"completion_mask": torch.ones(3, 5)},
+            "Experience.completion_mask: expected dtype torch.bool, got torch.float32",
+        ),
         ({"group_ids": torch.zeros(3)}, "Experience.group_ids: expected dtype torch.int64, got torch.float32"),
-        ({"rewards": torch.ones(3, dtype=torch.int64)}, "Experience.rewards: expected a floating dtype, got torch.int64"),
+        (
+            {"rewards": torch.ones(3, dtype=torch.int64)},
+            "Experience.rewards: expected a floating dtype, got torch.int64",
+        ),
         ({"agent_ids": ["a"]}, "Experience.agent_ids: expected 3 entries, got 1"),
-        ({"reward_components": {"format": torch.ones(4)}}, "Experience.reward_components['format']: expected shape [3]"),
-        ({"completion_ids": torch.zeros(3, dtype=torch.int64)}, "Experience.completion_ids: expected shape [B, T], got [3]"),
+        (
+            {"reward_components": {"format": torch.ones(4)}},
+            "Experience.reward_components['format']: expected shape [3]",
+        ),
+        (
+            {"completion_ids": torch.zeros(3, dtype=torch.int64)},
+            "Experience.completion_ids: expected shape [B, T], got [3]",
+        ),
     ],
 )
 def test_experience_validate_names_the_field(changes: dict[str, object], expected: str) -> None:

@@ -374,6 +374,7 @@ def test_opcheck_triton(name):
 def test_compile_fullgraph(compile_backend):
     if compile_backend == "triton":
         pytest.importorskip("triton")
+
     def advantages_step(r, v, m, seq_rewards):
         adv, ret = K.gae(r, v, m, 0.99, 0.95)
         white = K.discounted_returns(r, m, 0.99)
@@ -582,7 +583,19 @@ def _build_host_emulation(out: Path) -> ctypes.CDLL:
     (out / "advantages_host.cpp").write_text(source)
     (out / "main.cpp").write_text(_EMULATION_MAIN)
     so = out / "advantages_host.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-I", str(out), "-I", str(cu_dir)]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O1",
+        "-pthread",
+        "-shared",
+        "-fPIC",
+        "-fno-gnu-unique",
+        "-I",
+        str(out),
+        "-I",
+        str(cu_dir),
+    ]
     proc = subprocess.run([*cmd, str(out / "main.cpp"), "-o", str(so)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
@@ -606,14 +619,26 @@ def test_cuda_kernels_under_host_emulation(tmp_path):
         for gamma, lam in [(0.99, 0.95), (1.0, 1.0), (0.0, 0.5), (0.8, 0.0)]:
             adv, ret, out = (torch.full((B, T), 7.0) for _ in range(3))
             c = gamma * lam
-            rc = lib.emu_reverse_scan(r.data_ptr(), v.data_ptr(), m.data_ptr(), boot.data_ptr(), adv.data_ptr(),
-                                      ret.data_ptr(), B, T, gamma, c, log2_floor(c))
+            rc = lib.emu_reverse_scan(
+                r.data_ptr(),
+                v.data_ptr(),
+                m.data_ptr(),
+                boot.data_ptr(),
+                adv.data_ptr(),
+                ret.data_ptr(),
+                B,
+                T,
+                gamma,
+                c,
+                log2_floor(c),
+            )
             assert rc == 0
             eadv, eret = oracle_gae(r, v, m, boot, gamma, lam)
             assert_close(adv, eadv, what=f"cuda(emulated) gae {B}x{T} {gamma} {lam}")
             assert_close(ret, eret, what=f"cuda(emulated) gae returns {B}x{T} {gamma} {lam}")
-            rc = lib.emu_reverse_scan(r.data_ptr(), None, m.data_ptr(), None, out.data_ptr(), None, B, T, gamma,
-                                      gamma, log2_floor(gamma))
+            rc = lib.emu_reverse_scan(
+                r.data_ptr(), None, m.data_ptr(), None, out.data_ptr(), None, B, T, gamma, gamma, log2_floor(gamma)
+            )
             assert rc == 0
             assert_close(out, oracle_returns(r, m, gamma), what=f"cuda(emulated) returns {B}x{T} {gamma}")
     workspace = torch.zeros(1)

@@ -438,7 +438,8 @@ def test_all_reduce_across_two_gloo_processes(tmp_path):
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     procs = [
-        ctx.Process(target=_all_reduce_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path))) for rank in range(2)
+        ctx.Process(target=_all_reduce_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path)))
+        for rank in range(2)
     ]
     for p in procs:
         p.start()
@@ -690,6 +691,8 @@ _EMU_FP16 = r"""
 struct __half { unsigned short bits; };
 inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits, 2); return static_cast<float>(f); }
 """
+
+
 def _build_emulated_cuda(build_dir):
     import ctypes
     import re
@@ -732,8 +735,21 @@ def _build_emulated_cuda(build_dir):
         "      partials, chunk_errors, error_out, coefficients, nullptr);\n}\n"
     )
     lib_path = build_dir / "reward_norm_emulated.so"
-    cmd = [gxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", "-I", str(build_dir), "-I", str(csrc_dir() / "cuda"),
-           str(build_dir / "entry.cpp"), "-o", str(lib_path)]
+    cmd = [
+        gxx,
+        "-std=c++17",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-fno-gnu-unique",
+        "-I",
+        str(build_dir),
+        "-I",
+        str(csrc_dir() / "cuda"),
+        str(build_dir / "entry.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(lib_path))
@@ -762,9 +778,22 @@ def run_emulated(lib, rewards, seg, state: K.RunningMoments, clip=5.0, eps=1e-8,
     coefficients = torch.full((2 * S,), math.nan, dtype=torch.float64)
     out = torch.full((n,), 99.0)
     rc = lib.emu_normalize(
-        rewards.data_ptr(), kinds[rewards.dtype], None if seg is None else seg.data_ptr(), n, S,
-        state.count.data_ptr(), state.mean.data_ptr(), state.m2.data_ptr(), clip, eps, update,
-        out.data_ptr(), partials.data_ptr(), chunk_errors.data_ptr(), error_out.data_ptr(), coefficients.data_ptr(),
+        rewards.data_ptr(),
+        kinds[rewards.dtype],
+        None if seg is None else seg.data_ptr(),
+        n,
+        S,
+        state.count.data_ptr(),
+        state.mean.data_ptr(),
+        state.m2.data_ptr(),
+        clip,
+        eps,
+        update,
+        out.data_ptr(),
+        partials.data_ptr(),
+        chunk_errors.data_ptr(),
+        error_out.data_ptr(),
+        coefficients.data_ptr(),
     )
     assert rc == 0
     return out, error_out.tolist()
@@ -773,8 +802,14 @@ def run_emulated(lib, rewards, seg, state: K.RunningMoments, clip=5.0, eps=1e-8,
 @pytest.mark.parametrize(
     "n, S, dtype",
     # two chunks at n > 4096; S = 40 and 130 take the 4- and 1-lane-per-segment paths
-    [(1, 1, torch.float32), (4500, 1, torch.float32), (4500, 3, torch.bfloat16), (1000, 40, torch.float16),
-     (600, 130, torch.float32), (10, 7, torch.float64)],
+    [
+        (1, 1, torch.float32),
+        (4500, 1, torch.float32),
+        (4500, 3, torch.bfloat16),
+        (1000, 40, torch.float16),
+        (600, 130, torch.float32),
+        (10, 7, torch.float64),
+    ],
     ids=str,
 )
 @pytest.mark.slow

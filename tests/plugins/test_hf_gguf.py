@@ -41,7 +41,9 @@ def build(**options) -> CausalLMPolicy:
     return build_component("policy", {"name": "hf", "options": options}, path="policy")
 
 
-OBSERVATION = Observation("What is 12 + 7?", messages=[Message("user", "What is 12 + 7? Put the answer in <answer></answer>.")])
+OBSERVATION = Observation(
+    "What is 12 + 7?", messages=[Message("user", "What is 12 + 7? Put the answer in <answer></answer>.")]
+)
 
 
 def scores(policy: CausalLMPolicy) -> torch.Tensor:
@@ -52,7 +54,9 @@ def scores(policy: CausalLMPolicy) -> torch.Tensor:
 
 
 def test_a_gguf_file_alone_in_its_folder_loads_as_the_model_it_was_written_from(files: dict[str, Path]) -> None:
-    assert sorted(p.name for p in files["gguf"].parent.iterdir()) == [tiny_gguf.GGUF_NAME]  # no config.json, no tokenizer files
+    assert sorted(p.name for p in files["gguf"].parent.iterdir()) == [
+        tiny_gguf.GGUF_NAME
+    ]  # no config.json, no tokenizer files
     from_gguf = build(path=str(files["gguf"].parent), gguf_file=tiny_gguf.GGUF_NAME)
     reference = build(path=str(files["hf"]))
     # the tokenizer, its BOS and its chat template come from the file's metadata
@@ -80,8 +84,9 @@ def test_a_quantised_gguf_is_dequantised_to_float32(files: dict[str, Path]) -> N
     torch.testing.assert_close(got, want, rtol=0, atol=0.5)
 
 
-def test_a_package_path_resolves_to_its_folder_without_running_the_package(files: dict[str, Path], tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_package_path_resolves_to_its_folder_without_running_the_package(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "site" / "palestra_test_model_pkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise RuntimeError('imported')\n")  # importing it would fail the load
@@ -104,8 +109,9 @@ def test_a_package_path_resolves_to_its_folder_without_running_the_package(files
         ({"path": "{gguf_dir}", "gguf_file": ""}, r"^policy\.options\.gguf_file: must name a \.gguf file"),
     ],
 )  # fmt: skip
-def test_bad_gguf_and_package_options_are_one_line_naming_the_key(files: dict[str, Path], options: dict[str, str],
-                                                                   message: str) -> None:
+def test_bad_gguf_and_package_options_are_one_line_naming_the_key(
+    files: dict[str, Path], options: dict[str, str], message: str
+) -> None:
     filled = {k: v.format(gguf_dir=files["gguf"].parent, hf_dir=files["hf"]) for k, v in options.items()}
     with pytest.raises(ConfigError, match=message) as caught:
         build(**filled)

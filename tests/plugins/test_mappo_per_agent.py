@@ -112,7 +112,9 @@ def test_value_normalizer_state_dict_is_exact_and_merge_is_exact():
 
 def test_value_normalizer_errors_are_one_line():
     vn = ValueNormalizer(2)
-    with pytest.raises(ValueError, match=r"ValueNormalizer.update: agent_index has shape \[3\], expected \[4\] or \[4, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"ValueNormalizer.update: agent_index has shape \[3\], expected \[4\] or \[4, 2\]"
+    ):
         vn.update(torch.zeros(4, 2), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"agent_index has value 2; ids must lie in \[0, 2\)"):
         vn.normalize(torch.zeros(2), torch.tensor([0, 2]))
