@@ -43,7 +43,8 @@ class RewardError(ValueError):
 
 # ---- the checked call --------------------------------------------------------------------------------
 class CheckedReward:
-    """Calls a reward and validates what it returns; always returns a :class:`RewardOutput` with float32 ``[B]`` scores."""
+    """Calls a reward and validates what it returns; always returns a :class:`RewardOutput` with float32 ``[B]``
+    scores."""
 
     def __init__(self, reward: Any, *, name: str, path: str | None = None) -> None:
         if not callable(reward):
@@ -96,7 +97,8 @@ class CheckedReward:
     def evaluate(
         self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> RewardOutput:
-        """Score held-out rows against the full objective, leaving the reward's state (a curriculum's progress) unchanged.
+        """Score held-out rows against the full objective, leaving the reward's state (a curriculum's progress)
+        unchanged.
 
         A reward with its own ``evaluate`` (the combinators) decides what "full" means; any other reward is
         called on a copy, so a stateful one is not advanced by evaluation.
@@ -141,7 +143,8 @@ class CheckedReward:
         if bad.numel():
             row = int(bad[0, 0])
             raise RewardError(
-                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion {_snippet(completions[row])})",
+                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion "
+                f"{_snippet(completions[row])})",
                 nonfinite=True,
             )
         return scores

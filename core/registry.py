@@ -44,7 +44,8 @@ class MissingDependency(ImportError):
         try:
             import textarena
         except ImportError as e:
-            raise MissingDependency("the textarena environment", "textarena", 'pip install "palestra[textarena]"', cause=e) from None
+            raise MissingDependency("the textarena environment", "textarena", 'pip install "palestra[textarena]"',
+            cause=e) from None
 
     ``cause``, the ImportError met, tells a package that is not installed from one that fails to import (one of its
     own imports missing, or too old a version), and the message says which. ``name`` is the package, as on

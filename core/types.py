@@ -388,7 +388,8 @@ class SamplingParams:
 
 
 class Policy(Protocol):
-    """A language model that acts: it encodes observations and scores tokens (see :class:`palestra.models.policy.CausalLMPolicy`).
+    """A language model that acts: it encodes observations and scores tokens (see
+    :class:`palestra.models.policy.CausalLMPolicy`).
 
     Implementations own their tokenizer, device and dtype. ``score`` must be differentiable with respect
     to ``parameters()``: it is what an optimiser's loss is built from. Sampling is a generator's job

@@ -188,7 +188,8 @@ def check_versions() -> list[Check]:
                 v,
                 "cuda",
                 SKIPPED,
-                f"torch is a CUDA {cuda_build} build but no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                f"torch is a CUDA {cuda_build} build but no GPU is visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
             )
         )
     else:
@@ -614,7 +615,8 @@ def check_data(config: Config) -> list[Check]:
             "data",
             f"environment {config.environment.name}",
             OK,
-            f"{rows} episodes: reset {env.seconds['reset'] * 1e3:.1f} ms, {env.steps} step(s) {env.seconds['step'] * 1e3:.1f} ms "
+            f"{rows} episodes: reset {env.seconds['reset'] * 1e3:.1f} ms, {env.steps} step(s) "
+            f"{env.seconds['step'] * 1e3:.1f} ms "
             f"(build {build_s * 1e3:.0f} ms; {limit})",
             {
                 "episodes": rows,
@@ -746,7 +748,8 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             "step",
             FAILED if skipped else OK,
             f"{config.optimizer.name} on {config.policy.name} ({sum(recorder.sizes.values()):,} trainable parameters), "
-            f"{config.train.batch_size}x{config.train.group_size} rows: {metrics.get('perf/step_s', u['seconds']):.2f} s "
+            f"{config.train.batch_size}x{config.train.group_size} rows: {metrics.get('perf/step_s', u['seconds']):.2f} "
+            "s "
             f"(build {build_s:.2f} s, kernels {warmup_s:.2f} s)"
             + (
                 f"; the step was SKIPPED (no update): {cause}"

@@ -102,7 +102,8 @@ _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (corrupt, unsafe, another format, not matching its run). One line, naming the file."""
+    """A checkpoint that cannot be used (corrupt, unsafe, another format, not matching its run). One line, naming the
+    file."""
 
     palestra_user_error = True
 
@@ -246,7 +247,8 @@ def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: int, keep: int) -> Path:
-    """Write ``checkpoints/step-NNNNNN.pt``, point ``latest`` at it, keep the newest ``keep`` and clear stale temporaries."""
+    """Write ``checkpoints/step-NNNNNN.pt``, point ``latest`` at it, keep the newest ``keep`` and clear stale
+    temporaries."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     path = save_checkpoint(state, folder / step_name(step))
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
@@ -357,7 +359,8 @@ def _check_archive(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} is corrupt: it is empty (0 bytes)")
     if not zipfile.is_zipfile(path):  # a torch archive is a zip whose directory is at its end
         raise CheckpointError(
-            f"checkpoint {path} is corrupt: truncated or not a torch.save archive ({size} bytes, no zip directory at its end)"
+            f"checkpoint {path} is corrupt: truncated or not a torch.save archive ({size} bytes, no zip directory at "
+            "its end)"
         )
 
 
@@ -633,7 +636,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 # ---- logged files --------------------------------------------------------------------------------------
 def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
-    """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
+    """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the
+    run."""
     out: dict[str, int] = {}
     for logger in loggers:
         path = logger.path if isinstance(logger, FileLogger) else None

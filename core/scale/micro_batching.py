@@ -185,7 +185,8 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def model_dims(policy: Any) -> dict[str, int]:
-    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
+    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own
+    :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
     when it states one (:class:`~palestra.models.policy.ShapeAware`: a causal-LM policy, or a multi-agent one over
     it), else guessed from the parameter count."""
     from palestra.models.policy import ShapeAware

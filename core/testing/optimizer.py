@@ -29,12 +29,21 @@ RULES: dict[str, str] = {
     "builds from its options": "the factory builds the algorithm from the options given",
     "protocol": "it subclasses palestra.Algorithm; name is a str; needs_reference, needs_value_head, routes_agents and shared_update_window are bools; refill_rounds is an int >= 0; bind, advantages, loss, groups_short, extra_state and load_extra_state exist",
     "setup runs": "Learner(algorithm, policy, TrainContext, reference=...) binds a tiny policy without raising",
-    "prepare fills advantages": "the learner's prepare(batch) returns the batch with finite float advantages of shape [B] or [B, T], and it still validates",
+    "prepare fills advantages": (
+        "the learner's prepare(batch) returns the batch with finite float advantages of shape "
+        "[B] or [B, T], and it still validates"
+    ),
     "update runs": "the learner's update(batch) (the algorithm's loss on the policy's scores) returns without raising",
     "metrics are floats": "update returns a dict of str -> finite Python float (not tensors)",
     "parameters change": "an update changes the policy's parameters",
-    "NaN loss skips the step": "with a NaN loss update returns train/skipped = 1.0, leaves every parameter as it was, and the next update is finite",
-    "state round-trip": "state_dict() saves with torch.save, and a fresh optimiser on a fresh policy, loaded from it, continues bit for bit",
+    "NaN loss skips the step": (
+        "with a NaN loss update returns train/skipped = 1.0, leaves every parameter as it was, "
+        "and the next update is finite"
+    ),
+    "state round-trip": (
+        "state_dict() saves with torch.save, and a fresh optimiser on a fresh policy, loaded from it, "
+        "continues bit for bit"
+    ),
 }
 
 

@@ -21,22 +21,35 @@ __all__ = ["RULES", "check_policy"]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the policy from the options given",
-    "tokenizer": "tokenizer has int pad_token_id and eos_token_id, len(), encode(str) -> list of ints, decode(ids) -> str",
+    "tokenizer": (
+        "tokenizer has int pad_token_id and eos_token_id, len(), encode(str) -> list of ints, decode(ids) -> str"
+    ),
     "trainable parameters": "parameters() yields at least one tensor that requires grad",
-    "encodes one row per observation": "encode_observations returns (ids [B, P] int64, mask [B, P] bool), one row per observation",
+    "encodes one row per observation": (
+        "encode_observations returns (ids [B, P] int64, mask [B, P] bool), one row per observation"
+    ),
     "left padding": "every row's real tokens end at the last column; padding comes first",
     "encoding is deterministic": "encoding the same observations twice gives equal tensors",
     "score runs": "score(prompt_ids, prompt_mask, completion_ids, completion_mask) returns without raising",
-    "scores are [B, T] float32": "score(...).logprobs, and .entropy when asked for, are float32 tensors of shape [B, T]",
+    "scores are [B, T] float32": (
+        "score(...).logprobs, and .entropy when asked for, are float32 tensors of shape [B, T]"
+    ),
     "masked tokens score 0": "log-probs and entropy are 0 where completion_mask is False",
     "log-probs are finite and <= 0": "every real token's log-prob is finite and at most 0",
-    "padding does not change a row's scores": "a row scored alone matches the same row scored beside a longer one (within 1e-4)",
+    "padding does not change a row's scores": (
+        "a row scored alone matches the same row scored beside a longer one (within 1e-4)"
+    ),
     "scoring is deterministic": "in eval mode, scoring twice gives the same numbers bit for bit",
-    "score takes agent_ids": "score(..., agent_ids=[one id per row]) runs; every row naming the same agent scores bit for bit as without",
+    "score takes agent_ids": (
+        "score(..., agent_ids=[one id per row]) runs; every row naming the same agent scores bit for bit as without"
+    ),
     "scores are differentiable": "backward from the log-probs reaches the parameters",
     "one-row batch": "one observation encodes and scores",
     "state round-trip": "a fresh instance loaded from state_dict() scores bit for bit the same",
-    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes (decode_step takes agent_ids, as score does); greedy sampling repeats",
+    "generates": (
+        "the generator (default kv_cache) samples one completion per observation with consistent shapes "
+        "(decode_step takes agent_ids, as score does); greedy sampling repeats"
+    ),
 }
 
 
@@ -266,7 +279,8 @@ def _check_generation(
         ok,
         "generate",
         "generates",
-        f"a Generation for {b} observations has {len(out.texts)} texts and completion ids of shape {list(out.completion_ids.shape)}",
+        f"a Generation for {b} observations has {len(out.texts)} texts and completion ids of shape "
+        f"{list(out.completion_ids.shape)}",
     )
     found = first_difference(out, runs[1], "generation")
     c.require(found is None, "generate", "generates", f"greedy sampling twice differs: {found}")

@@ -148,5 +148,7 @@ def register_optimizers(register: Any) -> None:
         "reinforce",
         Reinforce,
         options=ReinforceOptions,
-        description="REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay",
+        description=(
+            "REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay"
+        ),
     )

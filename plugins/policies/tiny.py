@@ -77,7 +77,9 @@ def register_policies(register: Any) -> None:
         "tiny",
         build_tiny_policy,
         options=TinyOptions,
-        description="a small decoder-only transformer (RoPE, RMSNorm, SwiGLU) with a character tokenizer, trained from scratch",
+        description=(
+            "a small decoder-only transformer (RoPE, RMSNorm, SwiGLU) with a character tokenizer, trained from scratch"
+        ),
     )
 
 

@@ -393,7 +393,8 @@ def test_weights_that_do_not_fit_their_config_name_the_parameter_and_the_config_
     assert result.returncode == 2
     assert error_line(result) == (
         f"palestra train: error: checkpoint {run_dir}/checkpoint.pt does not fit the policy built from its config "
-        f"(policy 'tiny', policy.options): parameter 'embed.weight' is [{vocab}, 32] in the checkpoint and [{vocab}, 64] in the policy"
+        f"(policy 'tiny', policy.options): parameter 'embed.weight' is [{vocab}, 32] in the checkpoint and [{vocab}, "
+        "64] in the policy"
     )
 
 
@@ -640,8 +641,12 @@ def test_the_held_out_table_never_prints_a_bare_nan() -> None:
 
 BREAKS = {
     "reset_none": "reset returned None; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)",
-    "reset_strings": "reset returned str '4 + 3 =' at row 0; every row must be a palestra.types.Observation (none is finished yet)",
-    "reset_count": "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)",
+    "reset_strings": (
+        "reset returned str '4 + 3 =' at row 0; every row must be a palestra.types.Observation (none is finished yet)"
+    ),
+    "reset_count": (
+        "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)"
+    ),
     "step_tuple": "step returned tuple; it must return a StepResult(observations, done, info) with one entry per row",
     "step_rows": "step returned 3 rows for a batch of 4; it must return one entry per row (None for a finished row)",
 }
@@ -721,7 +726,8 @@ def test_a_metrics_file_shorter_than_the_checkpoint_recorded_is_cut_to_a_complet
     assert result.returncode == 0, result.stderr[-3000:]
     cut = len("".join(lines[:2]).encode())
     assert result.stderr.strip().splitlines() == [
-        f"palestra: warning: {log} is {cut + 10} bytes, shorter than the {recorded} recorded at step 2: lines were lost; "
+        f"palestra: warning: {log} is {cut + 10} bytes, shorter than the {recorded} recorded at step 2: lines were "
+        "lost; "
         f"cut to its last complete line ({cut} bytes) before resuming"
     ]
     steps = [m["step"] for m in metric_lines(run_dir)]  # every line parses: nothing was appended after a fragment

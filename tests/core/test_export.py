@@ -1,4 +1,5 @@
-"""``palestra export`` and ``train.export``: a trained run written as a transformers folder, loaded back with equal logits.
+"""``palestra export`` and ``train.export``: a trained run written as a transformers folder, loaded back with equal
+logits.
 
 Runs are trained here for two steps (tiny batches), exported through the command, and reloaded with
 ``transformers.AutoModelForCausalLM``: the tiny policy as the ``LlamaForCausalLM`` it maps onto, an ``hf`` policy
@@ -40,7 +41,8 @@ TEXT = "3 + 4 =<answer>7</answer> 12 + 30 =<answer>42</answer>"
 
 
 def train_run(tmp: Path, name: str, *overrides: str) -> Trainer:
-    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end); the trainer after it."""
+    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end); the trainer after
+    it."""
     config = load_config(None, [*SMALL, f"run.output_dir={tmp}", f"run.name={name}", *overrides])
     trainer = Trainer(config)
     trainer.train()

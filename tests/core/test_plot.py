@@ -1,4 +1,5 @@
-"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot` command."""
+"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot`
+command."""
 
 from __future__ import annotations
 

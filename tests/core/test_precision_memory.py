@@ -269,7 +269,7 @@ def test_a_row_bigger_than_the_token_budget_is_a_one_line_error():
         algo.update(algo.prepare(make_batch(policy)))
 
 
-# ---- automatic micro-batch size and out-of-memory back-off ------------------------------------------------------------
+# ---- automatic micro-batch size and out-of-memory back-off -----------------------------------------------------------
 class OOMAbove(TinyTransformerPolicy):
     """Raises the real CUDA out-of-memory exception when one score() call sees more than ``limit`` tokens."""
 
@@ -333,7 +333,7 @@ def test_automatic_budget_follows_free_memory_and_the_model():
     assert algo.planner.token_budget(make_batch(policy)) == 30  # the token budget caps the estimate
 
 
-# ---- offload ---------------------------------------------------------------------------------------------------------------
+# ---- offload ---------------------------------------------------------------------------------------------------------
 def test_offload_matches_the_plain_run_and_keeps_state_on_the_cpu():
     runs = []
     for offload in (False, True):
@@ -358,7 +358,7 @@ def test_offload_matches_the_plain_run_and_keeps_state_on_the_cpu():
         torch.testing.assert_close(m, p.detach(), rtol=0, atol=0)
 
 
-# ---- gradient checkpointing ---------------------------------------------------------------------------------------------
+# ---- gradient checkpointing ------------------------------------------------------------------------------------------
 def test_gradient_checkpointing_gives_the_same_gradients():
     results = []
     for on in (False, True):

@@ -74,7 +74,7 @@ def test_last_token_rewards():
     assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
 
 
-# ---- the clipped surrogate ------------------------------------------------------------------------------------------------
+# ---- the clipped surrogate -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("B,T,A", SHAPES)
 @pytest.mark.parametrize("clip_high", [None, 0.28])
 def test_clipped_surrogate_by_hand(B, T, A, clip_high):

@@ -94,10 +94,12 @@ def test_null_targets_take_peft_defaults_and_all_linear_adapts_every_linear_laye
     ("lora", "message"),
     [
         ({"target_modules": ["q_proj", "qproj"]},
-         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; the layers LoRA "
+         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; the layers "
+         r"LoRA "
          r"can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$"),
         ({"target_modules": ["input_layernorm"]},
-         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' names LlamaRMSNorm modules, which LoRA cannot adapt"),
+         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' names LlamaRMSNorm modules, which LoRA "
+         r"cannot adapt"),
         ({"target_modules": []}, r"^policy\.options\.lora\.target_modules: is an empty list"),
         ({"target_modules": "attention"}, r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),
         ({"r": 0}, r"^policy\.options\.lora\.r: must be >= 1, got 0$"),

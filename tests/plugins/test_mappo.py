@@ -30,7 +30,8 @@ AGENTS = ("left", "right")
 
 
 class HandOver:
-    """Two turns: ``left`` sees ``L?`` and should say ``1``; ``right`` sees ``R<left's answer>?`` and should say ``0``."""
+    """Two turns: ``left`` sees ``L?`` and should say ``1``; ``right`` sees ``R<left's answer>?`` and should say
+    ``0``."""
 
     agent_ids = AGENTS
     max_turns = 2
@@ -215,7 +216,7 @@ def test_team_credit_gives_every_row_the_episode_reward_and_role_credit_each_age
     assert set(metrics) == {"reward/agent/left", "reward/agent/right"}
 
 
-# ---- learning ----------------------------------------------------------------------------------------------------------
+# ---- learning --------------------------------------------------------------------------------------------------------
 @pytest.mark.learning
 @pytest.mark.parametrize("ippo", [False, True])
 def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
@@ -230,7 +231,7 @@ def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
     assert last > 0.8 and last - first > 0.4, f"ippo={ippo}: {first:.2f} -> {last:.2f}: {rewards}"
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 def test_state_dict_round_trip_is_exact() -> None:
     policy, algo = build(update_frequency=3)
     for step in range(2):  # leaves an open accumulation window

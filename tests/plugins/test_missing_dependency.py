@@ -30,9 +30,9 @@ def test_the_message_says_whether_the_package_is_missing_or_fails_to_import() ->
         'pip install "palestra[x]"',
         cause=ModuleNotFoundError("No module named 'xpkg'", name="xpkg"),
     )
-    assert (
-        str(missing)
-        == "the x environment needs the Python package 'xpkg', which is not installed; install it with: pip install \"palestra[x]\""
+    assert str(missing) == (
+        "the x environment needs the Python package 'xpkg', which is not installed; install it with: pip install "
+        '"palestra[x]"'
     )
     assert missing.name == "xpkg" and missing.install == 'pip install "palestra[x]"'
     assert str(Requirement("xpkg", 'pip install "palestra[x]"').missing("the x environment")) == str(missing)

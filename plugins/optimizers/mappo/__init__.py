@@ -15,7 +15,8 @@ differently, through the algorithm's hooks: its parameter groups (:meth:`MAPPO.o
 shared layers, the critic), per-agent clipping (:meth:`MAPPO.clip_gradients`), per-agent token means
 (:meth:`MAPPO.begin_update` sets the row weights, :meth:`MAPPO.micro_weights` counts every micro-batch as 1) and the
 shared-layer update window (:meth:`MAPPO.on_optimizers`, :meth:`MAPPO.before_optimizer_step`,
-:meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent running statistics (reward moments, value normaliser) are
+:meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent
+running statistics (reward moments, value normaliser) are
 merged over ranks every step, so every rank normalises with the global batch's statistics.
 
 The known multi-agent pitfalls, as features:
@@ -23,7 +24,8 @@ The known multi-agent pitfalls, as features:
 * **per-agent reward normalisation** (``normalize_rewards``, default on): each agent's rewards are normalised by
   that agent's running statistics, through the segmented ``normalize_rewards`` kernel (segment = agent);
 * **per-agent value normalisation** (``value_norm``): the critic regresses ``(R - mean_a) / std_a``
-  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`) and its outputs are de-normalised per agent before GAE;
+  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`) and its outputs are de-normalised per agent
+  before GAE;
 * **per-agent loss weighting**: each agent's loss is the mean over its own tokens, and the agents' losses are
   summed: a verbose agent (long replies) does not outweigh a terse one (a one-token label);
 * **per-agent gradient clipping** (always): every agent's own parameters, the shared parameters and the critic
@@ -81,7 +83,8 @@ class MAPPOOptions(AlgorithmOptions):
         if self.loss_agg != "token_mean":
             raise OptionError(
                 "loss_agg",
-                f"mappo averages each agent's loss over its own tokens; only 'token_mean' applies, got {self.loss_agg!r}",
+                "mappo averages each agent's loss over its own tokens; only 'token_mean' applies, got "
+                f"{self.loss_agg!r}",
             )
         if self.critic_d_model % self.critic_heads or (self.critic_d_model // self.critic_heads) % 2:
             raise OptionError(
@@ -184,7 +187,8 @@ class MAPPO(Algorithm):
             return
         if self.reward_moments is not None:
             raise ValueError(
-                f"{self.name}: agent(s) {', '.join(new)} appeared after training started; the agents were {', '.join(self.agents)}"
+                f"{self.name}: agent(s) {', '.join(new)} appeared after training started; the agents were "
+                f"{', '.join(self.agents)}"
             )
         self.agents.extend(new)
         device = self.device if self.device is not None else torch.device("cpu")
@@ -398,7 +402,8 @@ class MAPPO(Algorithm):
         want = {"critic", "agents", "reward_moments", "value_normalizer", "shared_accum", "counters"}
         if set(state) != want:
             raise KeyError(
-                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, unexpected keys {sorted(set(state) - want)}"
+                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, unexpected keys "
+                f"{sorted(set(state) - want)}"
             )
         self.critic.load_state_dict(state["critic"])
         self.agents, self.reward_moments, self.value_normalizer = [], None, None

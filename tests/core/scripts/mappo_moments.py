@@ -88,6 +88,7 @@ out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{dist.rank}.json").write_text(json.dumps(result))
 dist.close()
 # As `palestra train` does (palestra.cli.train.end_rank): a finished rank leaves with os._exit, because the
-# interpreter's teardown after a gloo process group now and then aborts ("terminate called without an active exception").
+# interpreter's teardown after a gloo process group now and then aborts ("terminate called without an active
+# exception").
 sys.stdout.flush()
 os._exit(0)
