@@ -532,7 +532,10 @@ def sample_utilisation(seconds: float = 1.0) -> list[Check]:
         time.sleep(seconds)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     if "machine_cpu_percent" in u:
-        detail = f"{u['machine_cpu_percent']:.0f}% of {os.cpu_count()} cores busy over {u['seconds']:.1f} s (other processes)"
+        detail = (
+            f"{u['machine_cpu_percent']:.0f}% of {os.cpu_count()} cores busy over {u['seconds']:.1f} s"
+            " (other processes)"
+        )
         if load:
             detail += f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         checks.append(Check("utilisation", "cpu", OK, detail, {**u, "load_average": load, "cores": os.cpu_count()}))
@@ -863,5 +866,8 @@ def zero_gradient_hint(batch: Any, torch: Any) -> str:
             if float(rewards.max() - rewards.min()) == 0
             else "rewards are equal within each group"
         )
-        return f"{msg}: all advantages are 0 ({spread}, reward {float(rewards.mean()):.3g}); check the reward and the entropy/KL terms"
+        return (
+            f"{msg}: all advantages are 0 ({spread}, reward {float(rewards.mean()):.3g});"
+            " check the reward and the entropy/KL terms"
+        )
     return msg

@@ -105,7 +105,10 @@ def check_reset(out: Any, batch_size: int, group_size: int, *, agents: Sequence[
     for i, obs in enumerate(out):
         problem = _observation_problem(obs, agents)
         if problem is not None:
-            return f"reset returned {problem} at row {i}; every row must be a palestra.types.Observation (none is finished yet)"
+            return (
+                f"reset returned {problem} at row {i};"
+                " every row must be a palestra.types.Observation (none is finished yet)"
+            )
     return None
 
 
@@ -120,7 +123,10 @@ def check_step(
             f"step returned {_kind(out)}; it must return a StepResult(observations, done, info) with one entry per row"
         )
     if len(out.observations) != n:
-        return f"step returned {len(out.observations)} rows for a batch of {n}; it must return one entry per row (None for a finished row)"
+        return (
+            f"step returned {len(out.observations)} rows for a batch of {n};"
+            " it must return one entry per row (None for a finished row)"
+        )
     for i, (obs, info) in enumerate(zip(out.observations, out.info)):
         if obs is not None and not live[i]:
             return f"step returned an observation for row {i}, which had already finished; a finished row stays None"

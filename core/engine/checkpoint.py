@@ -842,7 +842,10 @@ def policy_mismatch(run: RunComponents, saved: Mapping[str, Any], source: str | 
             return f"{where}: parameter {name!r} {list(value.shape)} is not in the checkpoint"
         stored = saved[name]
         if isinstance(stored, torch.Tensor) and stored.shape != value.shape:
-            return f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint and {list(value.shape)} in the policy"
+            return (
+                f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint"
+                f" and {list(value.shape)} in the policy"
+            )
     extra = next((k for k in saved if k not in live), None)
     if extra is not None:
         return f"{where}: the checkpoint has parameter {extra!r}, which the policy does not"

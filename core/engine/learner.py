@@ -357,7 +357,10 @@ class Learner:
             loss, micro_metrics = self.loss(micro)
             value = float(loss.detach())
             if not math.isfinite(value) and bad is None:
-                bad = f"non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} ({micro.batch_size} rows)"
+                bad = (
+                    f"non-finite loss ({value}) in pass {pass_index},"
+                    f" micro-batch {micro_index} ({micro.batch_size} rows)"
+                )
             # Backward even after a bad loss: every rank runs the same collectives (DDP hooks, grad_sync).
             self.precision.backward(loss * w)
             if probe and micro_index == 0:

@@ -27,7 +27,11 @@ __all__ = ["RULES", "check_optimizer"]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the algorithm from the options given",
-    "protocol": "it subclasses palestra.Algorithm; name is a str; needs_reference, needs_value_head, routes_agents and shared_update_window are bools; refill_rounds is an int >= 0; bind, advantages, loss, groups_short, extra_state and load_extra_state exist",
+    "protocol": (
+        "it subclasses palestra.Algorithm; name is a str; needs_reference, needs_value_head, routes_agents and"
+        " shared_update_window are bools; refill_rounds is an int >= 0; bind, advantages, loss, groups_short,"
+        " extra_state and load_extra_state exist"
+    ),
     "setup runs": "Learner(algorithm, policy, TrainContext, reference=...) binds a tiny policy without raising",
     "prepare fills advantages": (
         "the learner's prepare(batch) returns the batch with finite float advantages of shape "

@@ -179,7 +179,10 @@ class CharTokenizer:
     __hash__ = None  # type: ignore[assignment]  # mutable-looking value object: equality only
 
     def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={len(self)}, atoms={list(self.atoms)!r}, alphabet={self.alphabet!r}, unknown={self.unknown!r})"
+        return (
+            f"CharTokenizer(vocab_size={len(self)}, atoms={list(self.atoms)!r}, alphabet={self.alphabet!r},"
+            f" unknown={self.unknown!r})"
+        )
 
 
 __all__ = ["SPECIAL_TOKENS", "UNK_TEXT", "CharTokenizer", "check_vocabulary"]

@@ -73,7 +73,8 @@ class LoraOptions:
 
 @dataclass
 class HFOptions:
-    path: str  # a local folder holding a transformers causal LM (or a .gguf file), or package:NAME (an installed package's folder)
+    # a local folder holding a transformers causal LM (or a .gguf file), or package:NAME (an installed package's folder)
+    path: str
     gguf_file: str | None = (
         None  # a .gguf file in `path` (or an absolute path): config, weights and tokenizer from it, dequantised
     )

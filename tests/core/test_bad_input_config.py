@@ -200,7 +200,8 @@ def test_train_with_grpo_and_group_size_one_stops_before_the_run(
 def doctor_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> tuple[int, dict]:
     code, out, err = run_cli(
         capsys, "doctor", "--json", "--skip", "versions,kernels,utilisation,data", "train.batch_size=2",
-        "train.group_size=2", "train.max_new_tokens=4", "kernels.backend=torch", "loggers=[]", f"run.output_dir={tmp_path}",
+        "train.group_size=2", "train.max_new_tokens=4", "kernels.backend=torch", "loggers=[]",
+        f"run.output_dir={tmp_path}",
     )  # fmt: skip
     return code, json.loads(out)
 

@@ -37,7 +37,8 @@ def write_config(
 ) -> Path:
     raw = {
         "run": {"name": "dist", "seed": 0, "output_dir": str(folder / "runs")},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
+        "environment": {"name": "arithmetic",
+                        "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
         "reward": {"name": "format", "options": {"tag": "answer"}},
         "policy": {"name": "tiny", "options": TINY},
         "optimizer": {"name": algorithm, "options": options},

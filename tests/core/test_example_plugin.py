@@ -70,7 +70,9 @@ SCRIPT = textwrap.dedent(
     import json
     from palestra.config import ConfigError, build_component, load_config
 
-    config = load_config(None, ["environment={name: word_usage, options: {num_words: 2}}", "reward={name: keyword_coverage}"])
+    config = load_config(
+        None, ["environment={name: word_usage, options: {num_words: 2}}", "reward={name: keyword_coverage}"]
+    )
     env = build_component("environment", config.environment, path="environment")
     reward = build_component("reward", config.reward, path="reward")
     observations = env.reset(2, seed=7, group_size=2)
@@ -88,7 +90,9 @@ SCRIPT = textwrap.dedent(
         missing = None
     except ConfigError as e:
         missing = str(e)
-    print(json.dumps({"words": words, "done": done.done, "scores": scores.tolist(), "dtype": str(scores.dtype), "missing": missing}))
+    print(json.dumps({
+        "words": words, "done": done.done, "scores": scores.tolist(), "dtype": str(scores.dtype), "missing": missing
+    }))
     """
 )
 

@@ -194,7 +194,10 @@ def test_bad_input_is_one_line(tiny_run: Trainer, tmp_path: Path, capsys, monkey
             run_dir / "checkpoint.pt",
             "--out",
             "o",
-        ): f"RUN_DIR: {str(run_dir / 'checkpoint.pt')!r} is a file; pass the run directory, and the file as --checkpoint",
+        ): (
+            f"RUN_DIR: {str(run_dir / 'checkpoint.pt')!r} is a file;"
+            " pass the run directory, and the file as --checkpoint"
+        ),
         (
             no_config,
             "--out",

@@ -59,7 +59,8 @@ def test_a_generated_plugin_installs_passes_its_tests_and_trains(tmp_path: Path)
     trained = plugin_installs.run_palestra(
         ["train", "environment.name=shout", "reward.name=shout", "optimizer.name=shout", "policy.name=shout",
          "loggers=[{name: shout}, {name: jsonl}]", "train.steps=5", "train.batch_size=2", "train.group_size=2",
-         "train.max_new_tokens=4", "train.eval_size=2", "kernels.backend=torch", f"run.output_dir={runs}", "run.name=shout"],
+         "train.max_new_tokens=4", "train.eval_size=2", "kernels.backend=torch", f"run.output_dir={runs}",
+         "run.name=shout"],
         [site], tmp_path, OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr

@@ -31,8 +31,10 @@ def lora_sections(model_dir: Path) -> dict[str, Any]:
     return {
         "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"]}},
         "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
-        "policy": {"name": "hf", "options": {"path": str(model_dir), "dtype": "float32",
-                                             "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}}},
+        "policy": {"name": "hf", "options": {
+            "path": str(model_dir), "dtype": "float32",
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},
+        }},
         "optimizer": {"name": "grpo", "options": {"beta": 0.05}},
     }  # fmt: skip
 

@@ -240,7 +240,8 @@ def test_the_local_hf_example_trains_with_a_model_folder(
     model_dir = tiny_hf.build_qwen2(tmp_path / "qwen2")  # has a chat template, as instruction-tuned models do
     run_dir = run_example(
         "hf_local", tmp_path, capsys, f"policy.options.path={model_dir}",
-        "train.batch_size=2", "train.group_size=2", "train.grad_accum=1", "train.max_new_tokens=4", "train.warmup_steps=0",
+        "train.batch_size=2", "train.group_size=2", "train.grad_accum=1", "train.max_new_tokens=4",
+        "train.warmup_steps=0",
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert state["config"]["policy"]["options"]["path"] == str(model_dir)
@@ -256,8 +257,10 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
 
     gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
     run_dir = run_example(
-        "smollm2_lora", tmp_path, capsys, f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
-        "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4", "policy.options.lora.target_modules=[q_proj,v_proj]",
+        "smollm2_lora", tmp_path, capsys,
+        f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
+        "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4",
+        "policy.options.lora.target_modules=[q_proj,v_proj]",
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert state["policy_adapters"] is True  # only the adapters were saved

@@ -36,10 +36,12 @@ TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, 
 # Each algorithm with its options spelt out (today's defaults), so that tuning the defaults cannot move these tests.
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0},
-    "dr_grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "none", "loss_agg": "seq_mean_token_sum_norm", "entropy_coef": 0.0},
+    "dr_grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "none", "loss_agg": "seq_mean_token_sum_norm",
+                "entropy_coef": 0.0},
     "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "gamma": 1.0, "lam": 0.95, "clip_eps": 0.2, "clip_value": 0.2,
             "vf_coef": 0.1, "whiten_advantages": True, "entropy_coef": 0.0},
-    "rloo": {"kl_coef": 0.05, "kl_estimator": "k1", "clip_eps": 0.2, "normalize_advantages": False, "entropy_coef": 0.0},
+    "rloo": {"kl_coef": 0.05, "kl_estimator": "k1", "clip_eps": 0.2, "normalize_advantages": False,
+             "entropy_coef": 0.0},
     "reinforce": {"normalize": True, "norm_clip": 5.0, "baseline": "none", "replay_capacity": 0, "replay_rows": 0,
                   "entropy_coef": 0.0},
     "reinforce_pp": {"kl_coef": 0.01, "kl_estimator": "k1", "gamma": 1.0, "clip_eps": 0.2, "entropy_coef": 0.0},
@@ -291,7 +293,9 @@ PLUGIN_SOURCE = textwrap.dedent(
 
     @hookimpl
     def register_environments(register):
-        register("recording_arithmetic", RecordingArithmetic, options=ArithmeticOptions, description="arithmetic, recorded")
+        register(
+            "recording_arithmetic", RecordingArithmetic, options=ArithmeticOptions, description="arithmetic, recorded"
+        )
         register("failing_environment", failing("environment"))
 
 

@@ -168,7 +168,8 @@ SLOW_TRAIN = """
         time.sleep(60)
 
     registry = get_registry()
-    for kind, name, factory in (("environment", "slow_arithmetic", SlowArithmetic), ("reward", "slow_reward", SlowReward)):
+    slow = (("environment", "slow_arithmetic", SlowArithmetic), ("reward", "slow_reward", SlowReward))
+    for kind, name, factory in slow:
         registry.add(Registration(kind, name, factory, None, "deliberately slow", "test_watchdog", None))
     sys.exit(cli.main(["train", *sys.argv[1:]]))
 """

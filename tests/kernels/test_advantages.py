@@ -550,7 +550,9 @@ void launch(dim3 grid, dim3 blockdim, F body) {
 #define threadIdx emu::tid
 #define blockIdx emu::bid
 #define blockDim emu::bdim
-template <class T> T __shfl_up_sync(unsigned, T v, int off) { return emu::exchange(v, emu::lane >= off ? emu::lane - off : emu::lane); }
+template <class T> T __shfl_up_sync(unsigned, T v, int off) {
+  return emu::exchange(v, emu::lane >= off ? emu::lane - off : emu::lane);
+}
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) { return emu::exchange(v, emu::lane ^ m); }
 template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, src); }
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
@@ -673,7 +675,9 @@ def compile_kernel(fn, signature, constexprs):
 
 
 f32p = "*fp32"
-scan = dict(r_ptr=f32p, v_ptr=f32p, m_ptr="*u8", boot_ptr=f32p, adv_ptr=f32p, ret_ptr=f32p, T="i32", gamma="fp32", log2c="fp32")
+scan = dict(
+    r_ptr=f32p, v_ptr=f32p, m_ptr="*u8", boot_ptr=f32p, adv_ptr=f32p, ret_ptr=f32p, T="i32", gamma="fp32", log2c="fp32"
+)
 for has_values in (True, False):
     compile_kernel(TA._reverse_scan_kernel, scan, dict(HAS_VALUES=has_values, BLOCK=1024))
 compile_kernel(TA._batch_std_kernel, dict(r_ptr=f32p, out_ptr=f32p, N="i32"), dict(BLOCK=1024))

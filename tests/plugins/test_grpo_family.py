@@ -202,7 +202,8 @@ def refill_trainer(tmp_path, *overrides):
 
     config = load_config(REPO / "examples" / "dapo.yaml", [
         "optimizer.options.dynamic_sampling=true", "optimizer.options.refill_rounds=2", "train.batch_size=4",
-        "train.group_size=4", "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path}", "loggers=[]", *overrides,
+        "train.group_size=4", "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path}", "loggers=[]",
+        *overrides,
     ])  # fmt: skip
     return Trainer(config, run_dir=tmp_path / "run")
 

@@ -102,10 +102,15 @@ def test_a_package_path_resolves_to_its_folder_without_running_the_package(
     [
         ({"path": "package:palestra_no_such_pkg"},
          r"^policy\.options\.path: package 'palestra_no_such_pkg' is not installed; pip install palestra-no-such-pkg$"),
-        ({"path": "package:os.path"}, r"^policy\.options\.path: 'package:os\.path' must be package:NAME with NAME a top-level package"),
-        ({"path": "{gguf_dir}"}, r"^policy\.options\.path: '.+' holds no config\.json but GGUF files \(tiny-llama\.gguf\); set policy\.options\.gguf_file"),
-        ({"path": "{gguf_dir}", "gguf_file": "other.gguf"}, r"^policy\.options\.gguf_file: '.+other\.gguf' does not exist \(.+ holds tiny-llama\.gguf\)$"),
-        ({"path": "{hf_dir}", "gguf_file": "config.json"}, r"^policy\.options\.gguf_file: '.+config\.json' is not a GGUF file"),
+        ({"path": "package:os.path"},
+         r"^policy\.options\.path: 'package:os\.path' must be package:NAME with NAME a top-level package"),
+        ({"path": "{gguf_dir}"},
+         r"^policy\.options\.path: '.+' holds no config\.json but GGUF files \(tiny-llama\.gguf\); "
+         r"set policy\.options\.gguf_file"),
+        ({"path": "{gguf_dir}", "gguf_file": "other.gguf"},
+         r"^policy\.options\.gguf_file: '.+other\.gguf' does not exist \(.+ holds tiny-llama\.gguf\)$"),
+        ({"path": "{hf_dir}", "gguf_file": "config.json"},
+         r"^policy\.options\.gguf_file: '.+config\.json' is not a GGUF file"),
         ({"path": "{gguf_dir}", "gguf_file": ""}, r"^policy\.options\.gguf_file: must name a \.gguf file"),
     ],
 )  # fmt: skip
@@ -144,7 +149,8 @@ def test_a_gguf_model_trains_through_the_trainer(files: dict[str, Path], tmp_pat
     config = validate_config({
         "run": {"name": "gguf", "seed": 0, "output_dir": str(tmp_path)},
         "environment": {"name": "arithmetic", "options": {"difficulty": 1}},  # chat-style prompts: the file's template
-        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},  # partial credit: rewards vary in a group
+        # partial credit: rewards vary in a group
+        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
         "policy": {"name": "hf", "options": {"path": str(files["gguf"].parent), "gguf_file": tiny_gguf.GGUF_NAME}},
         "optimizer": {"name": "grpo"},
         "loggers": [],

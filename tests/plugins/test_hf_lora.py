@@ -94,14 +94,15 @@ def test_null_targets_take_peft_defaults_and_all_linear_adapts_every_linear_laye
     ("lora", "message"),
     [
         ({"target_modules": ["q_proj", "qproj"]},
-         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; the layers "
-         r"LoRA "
-         r"can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$"),
+         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; "
+         r"the layers LoRA can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, "
+         r"v_proj$"),
         ({"target_modules": ["input_layernorm"]},
          r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' names LlamaRMSNorm modules, which LoRA "
          r"cannot adapt"),
         ({"target_modules": []}, r"^policy\.options\.lora\.target_modules: is an empty list"),
-        ({"target_modules": "attention"}, r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),
+        ({"target_modules": "attention"},
+         r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),
         ({"r": 0}, r"^policy\.options\.lora\.r: must be >= 1, got 0$"),
         ({"alpha": -1}, r"^policy\.options\.lora\.alpha: must be > 0"),
         ({"dropout": 1.0}, r"^policy\.options\.lora\.dropout: must be < 1\.0, got 1\.0$"),
@@ -157,7 +158,8 @@ def make_config(folder: Path, output_dir: Path, *, algorithm: str = "grpo", step
     return validate_config({
         "run": {"name": "lora", "seed": 0, "output_dir": str(output_dir)},
         "environment": {"name": "arithmetic", "options": {"difficulty": 1}},
-        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},  # partial credit: rewards vary in a group
+        # partial credit: rewards vary in a group
+        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
         "policy": {"name": "hf", "options": {"path": str(folder), "lora": LORA}},
         "optimizer": {"name": algorithm, "options": options},
         "loggers": [],

@@ -111,7 +111,8 @@ def test_importing_the_plugin_does_not_import_reasoning_gym() -> None:
 
 
 def test_without_the_package_it_is_listed_unavailable_and_asking_for_it_is_one_line() -> None:
-    runs = cli_hidden(["plugins", "--all"], ["plugins", "--all", "--json"], ["config", "show", "environment.name=reasoning_gym"],
+    runs = cli_hidden(["plugins", "--all"], ["plugins", "--all", "--json"],
+                      ["config", "show", "environment.name=reasoning_gym"],
                       ["config", "show", "reward.name=reasoning_gym"])  # fmt: skip
     code, table, err = runs["plugins --all"]
     assert code == 0, err
