@@ -86,7 +86,7 @@ def clipped_surrogate(
     ``ratio_mean``, and ``approx_kl`` (the k3 estimate ``E[(r - 1) - log r]`` of KL(behaviour || current)).
     """
     fn = "clipped_surrogate"
-    lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
+    _lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
     lo, hi = _clip_range(fn, clip_low, clip_high)
     ratio = torch.exp(log_ratio)
     return _pessimistic(ratio, a, m, lo, hi), _clip_metrics(ratio, a, m, lo, hi, log_ratio)

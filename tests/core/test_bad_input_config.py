@@ -130,7 +130,7 @@ def probe_registry() -> Registry:
 
 def test_renaming_the_reward_starts_from_the_new_rewards_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     # The built-in reward is `layered` with a list of layers, which `format` does not take.
-    code, out, err = run_cli(capsys, "config", "show", "reward.name=format")
+    code, _out, err = run_cli(capsys, "config", "show", "reward.name=format")
     assert code == 0, err
     cfg = load_config(None, ["reward.name=format"])
     assert cfg.reward.name == "format" and cfg.reward.options == type(cfg.reward.options)()
@@ -198,7 +198,7 @@ def test_train_with_grpo_and_group_size_one_stops_before_the_run(
 
 # ---- 6. doctor on a skipped step -------------------------------------------------------------------------
 def doctor_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> tuple[int, dict]:
-    code, out, err = run_cli(
+    code, out, _err = run_cli(
         capsys, "doctor", "--json", "--skip", "versions,kernels,utilisation,data", "train.batch_size=2",
         "train.group_size=2", "train.max_new_tokens=4", "kernels.backend=torch", "loggers=[]",
         f"run.output_dir={tmp_path}",

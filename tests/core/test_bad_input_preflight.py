@@ -415,6 +415,6 @@ def test_palestra_train_refuses_up_front_with_exit_2_and_one_line(
     from palestra import cli
 
     assert cli.main(["train", override]) == 2
-    out, err = capsys.readouterr()
+    _out, err = capsys.readouterr()
     assert err.startswith(starts) and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()  # refused before anything was built or written

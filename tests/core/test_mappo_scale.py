@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def test_per_agent_moments_are_merged_over_ranks_as_one_process_would(tmp_path: 
             continue
         got = r0["distributed"][key]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=1e-9, msg=key)
-    counts = [v for k, v in single.items() if k == "reward.count"][0]
+    counts = single["reward.count"]
     assert sum(counts) == 3 * 12  # every rank's rows counted once
 
 
@@ -182,10 +183,13 @@ def test_mappo_killed_mid_run_resumes_bitwise(tmp_path: Path) -> None:
             for k, v in s.items()
             if isinstance(v, torch.Tensor)
         )
-    strip = lambda p: [
-        {k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("perf/")}  # noqa: E731
-        for x in (p / "log.jsonl").read_text().splitlines()
-    ]
+
+    def strip(p: Path) -> list[dict[str, Any]]:
+        return [
+            {k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("perf/")}
+            for x in (p / "log.jsonl").read_text().splitlines()
+        ]
+
     assert strip(run_a) == strip(run_b)
 
 

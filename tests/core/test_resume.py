@@ -181,9 +181,7 @@ def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(
     assert metrics["train/skipped"] == 1.0 and trainer.step_index == 1 and trainer.bad_steps == 1
     assert any("step 1 skipped: the reward is not finite" in str(w.message) for w in caught)
     assert all(torch.equal(v, weights[k]) for k, v in trainer.policy.state_dict().items())  # no update
-    with (
-        pytest.raises(TrainingAborted, match=r"^train\.max_bad_steps: 2 steps in a row were skipped"),
-        warnings.catch_warnings(),
-    ):
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.step()
+        with pytest.raises(TrainingAborted, match=r"^train\.max_bad_steps: 2 steps in a row were skipped"):
+            trainer.step()

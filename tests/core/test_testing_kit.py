@@ -312,7 +312,8 @@ class StrangerInfo(CopyEnv):
 
 
 class ListAgents(CopyEnv):
-    agent_ids = ["assistant"]  # type: ignore[assignment]
+    # a list where the protocol asks for a tuple: the mistake this case checks is reported
+    agent_ids = ["assistant"]  # type: ignore[assignment]  # noqa: RUF012 - deliberately mutable, see above
 
 
 class EmptyBatchCrash(CopyEnv):

@@ -518,7 +518,7 @@ def test_a_checkpoint_that_fails_to_save_leaves_the_previous_one_and_no_temporar
     (run_dir / "checkpoint.pt").write_text("the previous checkpoint")
     config = make_config(run={"name": "unpicklable", "seed": 0, "output_dir": "runs"}, train={"batch_size": 2})
     trainer = Trainer(config, run_dir=run_dir)
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(Exception, match=r"pickle|lambda"):
         trainer.save()
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint.pt"]
     assert (run_dir / "checkpoint.pt").read_text() == "the previous checkpoint"

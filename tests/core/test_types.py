@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -53,7 +54,7 @@ def test_run_episodes_records_turns_and_truncation() -> None:
     assert [t.agent_id for t in episodes[1].turns] == ["speaker", "listener"] * 2 and episodes[1].truncated
     assert episodes[0].turns[1].info == {"said": "bye"}
     assert episodes[1].turns[1].observation.prompt == "heard hi from speaker"
-    prompts, completions, metadata = reward_rows(episodes, "speaker")
+    _prompts, completions, metadata = reward_rows(episodes, "speaker")
     assert completions == ["hi from speaker", "hi from speaker"] and [m["turn"] for m in metadata] == [0, 2]
     with pytest.raises(ValueError, match="the responder returned 1 completions for 2 observations"):
         run_episodes(env, lambda obs: ["x"], 2)
@@ -74,7 +75,7 @@ def test_episode_helpers() -> None:
     assert ep.agents == ["a", "b"] and [t.completion for t in ep.by_agent("a")] == ["x", "z"]
     assert ep.last.completion == "z" and ep.transcript() == "[0] a: x\n[1] b: y\n[2] a: z"
     with pytest.raises(ValueError, match="no turns"):
-        Episode().last
+        _ = Episode().last
 
 
 def experience(b: int = 3, t: int = 5, p: int = 4, **changes: object) -> Experience:
@@ -128,6 +129,6 @@ def test_experience_validate_accepts_consistent_batches() -> None:
     ],
 )
 def test_experience_validate_names_the_field(changes: dict[str, object], expected: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}") as info:
         experience(**changes).validate()
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)

@@ -601,9 +601,9 @@ def _build_host_emulation(out: Path) -> ctypes.CDLL:
     proc = subprocess.run([*cmd, str(out / "main.cpp"), "-o", str(so)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
-    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.emu_reverse_scan.argtypes = [P, P, P, P, P, P, I, I, F, F, F]
-    lib.emu_group.argtypes = [P, P, P, I, I, ctypes.c_int, F]
+    P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.emu_reverse_scan.argtypes = [P, P, P, P, P, P, I64, I64, F, F, F]
+    lib.emu_group.argtypes = [P, P, P, I64, I64, ctypes.c_int, F]
     return lib
 
 

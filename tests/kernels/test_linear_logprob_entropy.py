@@ -77,7 +77,9 @@ def check_against_reference(hidden, weight, bias, targets, temperature, *, tol, 
         assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
         # the gradients are rounded to their input's dtype: compare relative to the largest entry
         scale = w.abs().max().item()
-        torch.testing.assert_close(g.double(), w, atol=grad_tol * scale, rtol=grad_tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            g.double(), w, atol=grad_tol * scale, rtol=grad_tol, msg=lambda m, name=name: f"{name}: {m}"
+        )
     ignored = targets == IGNORE
     assert (logp[ignored] == 0).all() and (got[0][ignored] == 0).all()
 
@@ -207,7 +209,7 @@ def test_opcheck(op_backend):
             op_backend,
         )
         torch.library.opcheck(torch.ops.palestra_fused.linear_logprob_entropy, args)
-    logp, ent, lse = torch.ops.palestra_fused.linear_logprob_entropy(
+    _logp, ent, lse = torch.ops.palestra_fused.linear_logprob_entropy(
         hidden, weight, bias, targets, 0.9, IGNORE, 4, op_backend
     )
     g = torch.randn(6)
@@ -334,7 +336,7 @@ def assert_score_equals_unfused(policy, seed: int, temperature: float = 0.8, tol
     assert (scores.logprobs[~completion_mask] == 0).all() and (scores.entropy[~completion_mask] == 0).all()
     for (name, _), g, w in zip([(n, p) for n, p in policy.named_parameters() if p.requires_grad], got, want):
         atol = tol * max(1.0, w.abs().max().item())
-        torch.testing.assert_close(g, w, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, w, atol=atol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("tie", [True, False])

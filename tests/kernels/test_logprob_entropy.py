@@ -271,7 +271,7 @@ def test_opcheck_native(dtype):
     torch.library.opcheck(
         torch.ops.palestra.logprob_entropy.default, (logits.requires_grad_(True), tokens, 0.7, IGNORE)
     )
-    logp, ent, lse = torch.ops.palestra.logprob_entropy(logits.detach(), tokens, 0.7, IGNORE)
+    _logp, ent, lse = torch.ops.palestra.logprob_entropy(logits.detach(), tokens, 0.7, IGNORE)
     torch.library.opcheck(
         torch.ops.palestra.logprob_entropy_backward.default,
         (torch.randn(7), torch.randn(7), logits.detach(), tokens, lse, ent, 0.7, IGNORE),
@@ -371,10 +371,10 @@ def test_backend_forcing(monkeypatch):
     monkeypatch.delenv("PALESTRA_KERNELS")
     assert LE._op.backend_for(x.device) == "cpp"  # automatic choice on CPU
     monkeypatch.setenv("PALESTRA_KERNELS", "cuda")  # forced but unable to serve a CPU tensor: an error
-    with pytest.raises(KernelBuildError, match="logprob_entropy.*cuda"):
+    with pytest.raises(KernelBuildError, match=r"logprob_entropy.*cuda"):
         K.logprob_entropy(logits, tokens)
     monkeypatch.delenv("PALESTRA_KERNELS")
-    with pytest.raises(KernelBuildError, match="logprob_entropy.*cuda"):
+    with pytest.raises(KernelBuildError, match=r"logprob_entropy.*cuda"):
         K.logprob_entropy(logits, tokens, backend="cuda")
 
 
@@ -530,9 +530,9 @@ def _build_cuda_on_host(out: Path) -> ctypes.CDLL:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
-    P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.host_forward.argtypes = [P, C, P, P, P, P, I, I, F, I]
-    lib.host_backward.argtypes = [P, P, P, C, P, P, P, P, I, I, F, I]
+    P, I64, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.host_forward.argtypes = [P, C, P, P, P, P, I64, I64, F, I64]
+    lib.host_backward.argtypes = [P, P, P, C, P, P, P, P, I64, I64, F, I64]
     return lib
 
 

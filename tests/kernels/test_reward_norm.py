@@ -7,7 +7,9 @@ shapes only.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import math
 import zlib
 
@@ -179,7 +181,7 @@ def test_merge_of_shard_states_equals_the_whole(cpp):
     seg = segments(rng, r.shape, S)
     cuts = [0, 1, 17, 5000, 60_000, 60_001, 150_000, r.numel()]  # K = 7 shards of unequal sizes, one of size 1
     merged = K.RunningMoments(S)
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         merged.merge(K.RunningMoments(S).update(r[a:b], seg[a:b]))
     whole = K.RunningMoments(S).update(r, seg)
     assert torch.equal(merged.count, whole.count)
@@ -431,10 +433,10 @@ def test_all_reduce_across_two_gloo_processes(tmp_path):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    try:
-        CPU_LIBRARY.load()  # build here, once, rather than racing in both workers
-    except KernelBuildError:
-        pass  # the workers fall back to the torch back end, with a warning
+    # Build here, once, rather than racing in both workers; if it fails, the workers fall back to the torch back
+    # end, with a warning.
+    with contextlib.suppress(KernelBuildError):
+        CPU_LIBRARY.load()
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     procs = [
@@ -482,7 +484,9 @@ def test_bad_segment_ids_raise_naming_value_and_S(backend):
         seg[where] = bad
         seg[where + 1 :] = bad  # later bad ids too: the first one is named
         for update in (True, False):
-            text = one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, update=update))
+            text = one_line_error(
+                ValueError, lambda seg=seg, update=update: K.normalize_rewards(r, state, seg, update=update)
+            )
             assert text == (
                 f"normalize_rewards: segment_ids has value {bad} at flat index {where}; ids must lie in [0, S) "
                 "with S=3 (the state's num_segments)"
@@ -501,13 +505,15 @@ def test_non_finite_rewards_raise_with_count_and_first_index(backend):
         r[n // 3], r[n // 2], r[n - 1] = float("nan"), float("inf"), -float("inf")
         seg = torch.randint(0, 2, (n,))
         for update in (True, False):
-            text = one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, update=update))
+            text = one_line_error(
+                ValueError, lambda r=r, seg=seg, update=update: K.normalize_rewards(r, state, seg, update=update)
+            )
             name = str(dtype).removeprefix("torch.")
             assert text == (
                 f"normalize_rewards: rewards ({name}, {n} elements) has 3 non-finite value(s) (NaN/inf), "
                 f"the first at flat index {n // 3}"
             )
-        one_line_error(ValueError, lambda: K.normalize_rewards(r, K.RunningMoments()))  # unsegmented path too
+        one_line_error(ValueError, lambda r=r: K.normalize_rewards(r, K.RunningMoments()))  # unsegmented path too
     assert_same_state(state, snap)
 
 
@@ -530,7 +536,9 @@ def test_argument_errors_name_the_argument():
         ValueError, lambda: K.normalize_rewards(r, meta_state, seg)
     )
     for clip in (0.0, -1.0, float("nan")):
-        assert "clip must be > 0" in one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, clip=clip))
+        assert "clip must be > 0" in one_line_error(
+            ValueError, lambda clip=clip: K.normalize_rewards(r, state, seg, clip=clip)
+        )
     assert "eps must be a finite float >= 0" in one_line_error(
         ValueError, lambda: K.normalize_rewards(r, state, seg, eps=-1e-3)
     )

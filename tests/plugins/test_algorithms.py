@@ -288,7 +288,7 @@ def test_a_partly_taken_update_counts_and_reports_its_good_passes(caplog):
 def test_the_learner_needs_a_train_context():
     from palestra.engine.learner import Learner
 
-    with pytest.raises(TypeError, match="context must be a palestra.TrainContext, got TrainConfig"):
+    with pytest.raises(TypeError, match=r"context must be a palestra\.TrainContext, got TrainConfig"):
         Learner(build("grpo"), ToyPolicy(), train_config())
 
 
@@ -497,7 +497,7 @@ def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipp
 
     logp = reference_logprobs(policy, rows)
     ref = rows.ref_logprobs.double()
-    surrogate, ratio, clipped = clipped_surrogate(
+    surrogate, _ratio, clipped = clipped_surrogate(
         logp, rows.behaviour_logprobs.double(), rows.advantages.double(), 0.2, 0.2
     )
     k3 = torch.exp(ref - logp) - 1 - (ref - logp)

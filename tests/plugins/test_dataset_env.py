@@ -196,9 +196,9 @@ def test_bad_files_and_rows_are_one_line_each(tmp_path: Path) -> None:
     assert error(broken).startswith(f"environment.options.path: {broken} line 17: not valid JSON (")
     not_object = write_jsonl(tmp_path / "list.jsonl", [[1, 2]])  # type: ignore[list-item]
     assert error(not_object) == f"environment.options.path: {not_object} line 1: expected a JSON object, got list"
-    blank = write_jsonl(tmp_path / "blank.jsonl", ROWS[:16] + [{"question": "1 + 1", "answer": " "}])
+    blank = write_jsonl(tmp_path / "blank.jsonl", [*ROWS[:16], {"question": "1 + 1", "answer": " "}])
     assert error(blank) == f"environment.options.path: {blank} line 17: answer ('answer') is empty"
-    missing = write_jsonl(tmp_path / "missing.jsonl", ROWS[:3] + [{"question": "1 + 1"}])
+    missing = write_jsonl(tmp_path / "missing.jsonl", [*ROWS[:3], {"question": "1 + 1"}])
     assert error(missing) == f"environment.options.path: {missing} line 4: has no 'answer' (its keys: question)"
     ragged = tmp_path / "ragged.csv"
     ragged.write_text("question,answer\n1 + 1,2\n2 + 2,4,extra\n")

@@ -156,7 +156,7 @@ def test_per_agent_gae_errors():
 
 
 # ---- advantage normalisation ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("B,T,A", SHAPES + [(7, 3, 4)])
+@pytest.mark.parametrize("B,T,A", [*SHAPES, (7, 3, 4)])
 def test_normalize_advantages_per_agent_by_hand(B, T, A):
     adv, _, m, agent = batch(B, T, A, seed=7 + B)
     adv = adv * (agent[:, None].float() * 10 + 1)  # very different scales per agent

@@ -229,7 +229,7 @@ def test_a_weighted_mix() -> None:
     out = reward()([o.prompt for o in obs], answered(obs, wrong={0}), [o.metadata for o in obs])
     assert out.scores.tolist() == [0.0] + [1.0] * 39
     assert set(out.metrics) == {"score/chain_sum", "score/leg_counting", "scorer_errors"}
-    assert [o.metadata["task_options"] for o in obs if o.metadata["task"] == "chain_sum"][0] == {"max_terms": 2}
+    assert next(o.metadata["task_options"] for o in obs if o.metadata["task"] == "chain_sum") == {"max_terms": 2}
 
 
 @needs_rg
@@ -256,10 +256,15 @@ def test_the_environment_and_reward_keep_the_contract() -> None:
 @needs_rg
 def test_bad_options_are_one_line_each() -> None:
     def error(*overrides: str, build: bool = False) -> str:
-        with pytest.raises(ConfigError) as info:
+        """The one-line error loading the config with ``overrides`` (and building its environment, if ``build``)."""
+
+        def load() -> None:
             cfg = load_config(None, ["environment.name=reasoning_gym", *overrides])
             if build:
                 build_component("environment", cfg.environment, path="environment")
+
+        with pytest.raises(ConfigError) as info:
+            load()
         return str(info.value)
 
     assert error("environment.options.task=basic_arithmetc", build=True).startswith(
