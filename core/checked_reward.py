@@ -86,12 +86,12 @@ class CheckedReward:
         checked = RewardOutput(self._scores(scores, b, "output", completions))
         for key, value in components.items():
             checked.components[key] = self._scores(value, b, f"component {key!r}", completions)
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(f"{self.label}: metric {key!r} is {_snippet(value)}, expected a finite number")
-            checked.metrics[key] = float(value)
+        for key, given in metrics.items():
+            # typed float, but a plugin may hand back a one-element tensor
+            number: object = given.item() if isinstance(given, torch.Tensor) and given.numel() == 1 else given
+            if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number):
+                raise RewardError(f"{self.label}: metric {key!r} is {_snippet(number)}, expected a finite number")
+            checked.metrics[key] = float(number)
         return checked
 
     def evaluate(
@@ -158,7 +158,7 @@ class CheckedReward:
             for i in range(len(completions)):
                 try:
                     self.reward([prompts[i]], [completions[i]], [metadata[i]])
-                except Exception:
+                except Exception:  # noqa: BLE001 - whatever a plugin's reward raises, that row is the one to name
                     return i
             return None
         finally:

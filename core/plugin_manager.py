@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -221,7 +221,7 @@ class _Loader:
                 self.pm.unregister(name=name)
             self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, str(e), api=e.declared)
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a third-party plugin that fails to import is disabled, not fatal
             for name, _, _ in registered:
                 self.pm.unregister(name=name)
             self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, f"{_one_line(e)} (while loading)")
@@ -485,11 +485,13 @@ def _enable_tracing(pm: pluggy.PluginManager) -> None:
     pm.trace.root.setwriter(lambda text: sys.stderr.write(text))  # looked up per call, so redirected stderr works
     hooktrace = pm.trace.root.get("hook")
 
-    def before(hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
         hooktrace.root.indent += 1
         hooktrace("call", hook_name, "->", [impl.plugin_name for impl in impls], kwargs)
 
-    def after(outcome: Any, hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    def after(
+        outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]
+    ) -> None:
         if outcome.exception is None:
             hooktrace("finish", hook_name, "-->", outcome.get_result())
         else:

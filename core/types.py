@@ -252,7 +252,10 @@ class Experience:
         idx = index if isinstance(index, torch.Tensor) else torch.as_tensor(list(index), dtype=torch.int64)
         idx = idx.to(self.completion_ids.device)
         rows = idx.tolist()
-        picked = {k: (None if getattr(self, k) is None else getattr(self, k)[idx]) for k in self._ROW_FIELDS}
+        # each field keeps its own type (a tensor, or None for an optional one)
+        picked: dict[str, Any] = {
+            k: (None if getattr(self, k) is None else getattr(self, k)[idx]) for k in self._ROW_FIELDS
+        }
         return Experience(
             **picked,
             agent_ids=[self.agent_ids[i] for i in rows],

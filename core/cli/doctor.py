@@ -318,7 +318,8 @@ def kernel_cases(device: Any) -> list[tuple[str, Callable[[], Any], Callable[[],
         r, v, m = rewards.double(), values.double(), mask
         out = torch.zeros_like(r)
         for b in range(r.shape[0]):
-            carry, next_v = 0.0, 0.0
+            carry: float | torch.Tensor = 0.0
+            next_v: float | torch.Tensor = 0.0
             for t in reversed(range(r.shape[1])):
                 if not m[b, t]:
                     continue
@@ -387,7 +388,7 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
     )
 
     has_cuda = torch.cuda.is_available()
-    plan = [("torch", "cpu"), ("cpp", "cpu")]
+    plan: list[tuple[str, str | None]] = [("torch", "cpu"), ("cpp", "cpu")]  # (back end, device; None: none fits)
     if has_cuda:
         plan += [("torch", "cuda"), ("cuda", "cuda"), ("triton", "cuda")]
     else:
@@ -577,6 +578,15 @@ class TimedEnvironment:
         self.max_turns = env.max_turns
         self.seconds = {"reset": 0.0, "step": 0.0}
         self.steps = 0
+
+    # The wrapped environment's, read and written through, so the wrapper is an Environment too.
+    @property
+    def agent_ids(self) -> tuple[str, ...]:
+        return self.env.agent_ids
+
+    @agent_ids.setter
+    def agent_ids(self, value: tuple[str, ...]) -> None:
+        self.env.agent_ids = value
 
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> Any:
         from palestra.engine.watchdog import call_with_timeout

@@ -25,7 +25,7 @@ runs that one itself.)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from palestra.config import OptionError, check_options, option
@@ -54,7 +54,7 @@ class AlgorithmOptions:
     loss_norm_length: int | None = option(None, ge=1)  # seq_mean_token_sum_norm's constant; None: train.max_new_tokens
     # Importance weights for behaviour log-probs that came from another engine than the learner
     # (palestra.rl.rollout_correction); off by default, the rollout/* gap metrics are logged either way.
-    rollout_correction: RolloutCorrectionOptions = option(default_factory=RolloutCorrectionOptions)
+    rollout_correction: RolloutCorrectionOptions = field(default_factory=RolloutCorrectionOptions)
     # The costlier diagnostics (diag/entropy_grad_share, diag/logit_norm) run on one micro-batch of every
     # diagnostics_every-th update; 0: never. The group-tie ones are cheap and logged on every update.
     diagnostics_every: int = option(50, ge=0)
@@ -275,6 +275,8 @@ class Algorithm:
         from palestra.rl.losses import clipped_surrogate
 
         fn = surrogate if surrogate is not None else clipped_surrogate
+        if batch.old_logprobs is None:
+            raise ValueError(f"{self.name}: batch.old_logprobs is None; the learner's prepare fills it before the loss")
         per_token, m = fn(
             scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask, clip_low, clip_high
         )

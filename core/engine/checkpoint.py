@@ -139,7 +139,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(target: str | Path, write: Callable[[Path], None], *, needs: int | None = None) -> Path:
+def write_atomic(target: str | Path, write: Callable[[Path], object], *, needs: int | None = None) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``target``, then fsync and rename it over ``target``.
 
     If ``write`` raises (or the process dies) ``target`` keeps its previous content; the temporary file is removed

@@ -31,6 +31,7 @@ correction or not.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -270,7 +271,7 @@ class Learner:
         results: list[dict[str, float]] = []
         for pass_index in range(passes):
             result = self.planner.with_backoff(
-                rows, budget, lambda b, i=pass_index: self._pass(rows, i, b, probe=probe and i == 0), "update"
+                rows, budget, functools.partial(self._pass, rows, pass_index, probe=probe and pass_index == 0), "update"
             )
             if result is None:  # a bad step: skip the rest of this update
                 break

@@ -117,6 +117,7 @@ class Rollout:
 
         rows = self.rows()
         episode_of = torch.tensor([e for e, _, _ in rows], dtype=torch.int64)
+        picked: list[tuple[torch.Tensor, ...]]  # (prompt ids, prompt mask, completion ids, mask, log-probs) per piece
         if len(self.generations) == 1:  # single-turn: the rows are the generation itself
             g = self.generations[0]
             picked = [(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.logprobs)]

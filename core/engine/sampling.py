@@ -140,7 +140,8 @@ class Sampler:
         with self.watchdog.phase("reward"):
             rows = ro.reward_rows() if plan is None else plan.rows
             scored, global_scores = score_global(self.reward, self.dist, *rows, counted=len(ro.episodes))
-        agent_scores, agent_metrics = None, {}
+        agent_scores: dict[AgentId, torch.Tensor] | None = None
+        agent_metrics: dict[str, float] = {}
         if plan is not None:
             scored, agent_scores, agent_metrics = plan.assign(scored)
         reward_s = time.perf_counter() - started - generate_s

@@ -151,7 +151,8 @@ class StepWatchdog:
             self.stream.flush()
         except Exception:  # noqa: BLE001 - a closed or odd stream must not stop the exit
             with contextlib.suppress(Exception):
-                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+                if sys.__stderr__ is not None:  # None under pythonw and some embedders: nowhere to write
+                    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         finally:
             os._exit(self.exit_code)
 

@@ -220,7 +220,8 @@ class CausalLMPolicy(torch.nn.Module):
             torch.nn.init.zeros_(head.weight)  # start from V = 0: the first advantages are the plain returns
             torch.nn.init.zeros_(head.bias)
             ref = next(self.output_head().parameters())
-            self.value_head = head.to(device=ref.device, dtype=ref.dtype)
+            # nn.Module.__setattr__ registers the submodule (the property only reads it back): not a property write
+            self.value_head = head.to(device=ref.device, dtype=ref.dtype)  # type: ignore[misc]
         return self.value_head
 
     def score(
@@ -261,6 +262,7 @@ class CausalLMPolicy(torch.nn.Module):
             # precision: the fused op computes its logits in fp32, and its four fp32 head matmuls were a third of a
             # bf16 SmolLM2 update on a CPU with bf16 matrix units (docs/performance.md).
             head = None
+        ent: torch.Tensor | None
         if head is None:
             logits = self.logits(states)
             tokens = completion_ids.masked_fill(~completion_mask, -100)

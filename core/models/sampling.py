@@ -43,9 +43,9 @@ def check_params(params: SamplingParams) -> None:
     for i, s in enumerate(params.stop):
         if not isinstance(s, str) or not s:
             raise ValueError(f"SamplingParams.stop[{i}]: expected a non-empty string, got {s!r}")
-    for i, s in enumerate(params.stop_token_ids):
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ValueError(f"SamplingParams.stop_token_ids[{i}]: expected an integer token id, got {s!r}")
+    for i, token_id in enumerate(params.stop_token_ids):
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"SamplingParams.stop_token_ids[{i}]: expected an integer token id, got {token_id!r}")
 
 
 def pick_tokens(

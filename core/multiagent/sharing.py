@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -181,7 +181,8 @@ class MultiAgentPolicy(torch.nn.Module):
 
     def enable_value_head(self) -> Any:
         """A value head per agent view (heads are never shared: each agent's returns are its own)."""
-        return [self.views[k].enable_value_head() for k in self.views]
+        # the views are policies of the base's class (built in __init__); ModuleDict types them as Module
+        return [cast(CausalLMPolicy, self.views[k]).enable_value_head() for k in self.views]
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         for view in self.views.values():

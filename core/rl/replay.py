@@ -67,8 +67,9 @@ def replay_fields(batch: Experience, *, copy: bool) -> Experience:
         return t.detach().clone() if copy else t.detach()
 
     ref = batch.ref_logprobs
+    kept: dict[str, Any] = {k: keep(getattr(batch, k)) for k in FIELDS}  # tensor fields, each by its name
     return Experience(
-        **{k: keep(getattr(batch, k)) for k in FIELDS},
+        **kept,
         agent_ids=list(batch.agent_ids),
         ref_logprobs=None if ref is None else keep(ref),
     )

@@ -220,10 +220,12 @@ class DistributedContext:
         plain = [p for p in params if not _is_dtensor(p)]
         if not plain:
             return
+        grads: list[torch.Tensor] = []
         for p in plain:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in plain], _BUCKET_BYTES):
+            grads.append(p.grad)
+        for bucket in _buckets(grads, _BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(self.world_size)

@@ -106,7 +106,7 @@ class WandbLogger:
 
     def _settings(self) -> Any:
         known = getattr(self._wandb.Settings, "model_fields", None)
-        wanted = {
+        wanted: dict[str, Any] = {
             k: v
             for k, v in _QUIET_SETTINGS.items()
             if (known is None and k in ("silent", "console")) or (known is not None and k in known)

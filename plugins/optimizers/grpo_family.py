@@ -199,7 +199,9 @@ class GSPO(GRPO):
 # ---- CISPO ------------------------------------------------------------------------------------------------
 @dataclass
 class CISPOOptions(GRPOOptions):
-    clip_eps: float | None = option(None, gt=0, le=1)  # weight's lower bound 1 - clip_eps; None: none (the paper's)
+    # Optional here, where GRPO's is not: CISPO.loss hands it to cispo_surrogate, which takes None as no lower bound,
+    # and no GRPO code that needs a float runs for CISPO.
+    clip_eps: float | None = option(None, gt=0, le=1)  # type: ignore[assignment]  # lower bound 1 - clip_eps
     clip_eps_high: float = option(4.0, gt=0)  # weight's upper bound 1 + clip_eps_high (ScaleRL's eps_max = 5)
     loss_agg: LossAgg = "token_mean"
 
@@ -208,7 +210,8 @@ class CISPO(GRPO):
     """GRPO's advantages with CISPO's loss: a clipped, stop-gradient importance weight times ``A * logp``."""
 
     name = "cispo"
-    Options = CISPOOptions
+    # mypy compares the two classes as constructors: CISPO's clip_eps_high cannot be None, GRPO's can
+    Options = CISPOOptions  # type: ignore[assignment]
     options: CISPOOptions
 
     def loss(self, batch: Experience, scores: Any):

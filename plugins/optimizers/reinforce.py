@@ -96,6 +96,7 @@ class Reinforce(Algorithm):
             r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip, update=False)
         elif o.normalize:
             seg = self.segment_ids(batch.agent_ids, r.device)
+            assert self.moments is not None
             r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip)
         if o.baseline == "batch":
             r = r - r.mean()

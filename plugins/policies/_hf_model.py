@@ -132,6 +132,8 @@ class HFPolicy(CausalLMPolicy):
 
     __module__ = "palestra.plugins.policies.hf"  # pickle and reprs find it there (hf.py loads this module on first use)
 
+    tokenizer: HFTokenizer  # the base's Tokenizer, and more (the chat template, the transformers tokenizer)
+
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options: HFOptions = check_options(HFOptions, options, where=WHERE)
@@ -347,10 +349,12 @@ class LoRAHFPolicy(HFPolicy):
         import peft
 
         lora = self.options.lora
+        assert lora is not None  # a LoRAHFPolicy is built only when options.lora is set
         targets = _check_targets(model, lora.target_modules, source)
         config = peft.LoraConfig(
             r=lora.r,
-            lora_alpha=lora.alpha,
+            # peft annotates lora_alpha as int, but only ever divides it by r: a float alpha is used as given
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]
             lora_dropout=lora.dropout,
             target_modules=targets,
             bias="none",

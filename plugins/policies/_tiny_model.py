@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
     ``state_dict()`` holds every tensor; together with :attr:`options` (which include the tokenizer's
     alphabet and atoms) it rebuilds the policy: ``TinyTransformerPolicy(**dataclasses.asdict(options))``.
     """
+
+    tokenizer: CharTokenizer  # the base's Tokenizer, and more (to_transformers for export)
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -286,7 +288,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
             hidden_act="silu",
             max_position_embeddings=o.max_len,
             rms_norm_eps=self.norm.eps,
-            rope_theta=o.rope_base,
+            # transformers 4.x's name, which 5.x still takes (into rope_parameters) but leaves out of its signature
+            rope_theta=o.rope_base,  # type: ignore[call-arg]
             attention_bias=False,
             mlp_bias=False,  # transformers 5 files it in rope_parameters
             attention_dropout=0.0,
@@ -307,7 +310,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
         ``gate_proj`` then ``up_proj``; a final RMSNorm; a bias-free head, tied or not.
         """
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.weight}
-        for i, block in enumerate(self.blocks):
+        for i, module in enumerate(self.blocks):
+            block = cast(Block, module)  # self.blocks holds the Blocks __init__ built, nothing else
             at = f"model.layers.{i}"
             q, k, v = block.attn.qkv.weight.chunk(3, dim=0)
             gate, up = block.mlp.gate_up.weight.chunk(2, dim=0)
@@ -339,7 +343,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
         with torch.random.fork_rng(devices=[]):
             model = LlamaForCausalLM(self.llama_config())
         model.load_state_dict(self.llama_state_dict(), strict=True)
-        return model.to(dtype).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose annotation loses the signature
+        return model.to(dtype).eval()  # type: ignore[arg-type]
 
     def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
         """Write the policy as a transformers folder: a ``LlamaForCausalLM`` (``config.json``, ``model.safetensors``,

@@ -159,9 +159,11 @@ class CharTokenizer:
         backend.decoder = decoders.Fuse()  # characters join without separators
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
         backend.add_tokens([AddedToken(a, normalized=False, special=False) for a in self.atoms])
-        bos = SPECIAL_TOKENS[self.bos_token_id]
+        bos_id = self.bos_token_id
+        assert bos_id is not None  # typed optional for the Tokenizer protocol; a CharTokenizer always has <bos>
+        bos = SPECIAL_TOKENS[bos_id]
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)]
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
         pad, eos, unk = (SPECIAL_TOKENS[i] for i in (self.pad_token_id, self.eos_token_id, self.unk_token_id))
         return PreTrainedTokenizerFast(

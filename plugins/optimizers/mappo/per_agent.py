@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import torch
 
@@ -260,6 +261,7 @@ def per_agent_gae(
             )
         boot = boot.detach()
     if value_normalizer is not None:
+        assert ids is not None  # agent_index is required with a value_normalizer: checked above
         v = value_normalizer.denormalize(v, ids)
         if boot is not None:
             b = boot if isinstance(boot, torch.Tensor) else torch.full((B,), float(boot), device=rewards.device)
@@ -301,11 +303,14 @@ def normalize_advantages_per_agent(
 
 
 # ---- gradients ----------------------------------------------------------------------------------------------
+AgentKey = TypeVar("AgentKey")  # whatever names a group (an agent id, "shared", "critic"); the norms use the same
+
+
 def per_agent_clip_grad_norm(
-    param_groups: Mapping[object, Iterable[torch.nn.Parameter]],
+    param_groups: Mapping[AgentKey, Iterable[torch.nn.Parameter]],
     max_norm: float,
     norm_type: float = 2.0,
-) -> dict[object, float]:
+) -> dict[AgentKey, float]:
     """Clip each agent's gradients to ``max_norm`` separately; returns each agent's pre-clip total norm.
 
     Why: with one global clip, the agent with the largest gradients sets the scale factor for everyone, so the
@@ -322,8 +327,8 @@ def per_agent_clip_grad_norm(
         )
     if not max_norm > 0:
         raise ValueError(f"{fn}: max_norm must be > 0, got {max_norm}")
-    owner: dict[int, object] = {}
-    norms: dict[object, float] = {}
+    owner: dict[int, AgentKey] = {}
+    norms: dict[AgentKey, float] = {}
     for agent, params in param_groups.items():
         params = list(params)
         for p in params:
