@@ -143,8 +143,8 @@ class CheckedReward:
         if bad.numel():
             row = int(bad[0, 0])
             raise RewardError(
-                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion "
-                f"{_snippet(completions[row])})",
+                f"{self.label}: {what} row {row} is {scores[row].item()} "
+                f"(not finite; completion {_snippet(completions[row])})",
                 nonfinite=True,
             )
         return scores

@@ -185,8 +185,8 @@ class _Loader:
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
                 raise BuiltinPluginError(
-                    f"built-in plugin {ep.name!r} ({ep.value}) failed to load: {_one_line(e)}; the palestra install is "
-                    "broken"
+                    f"built-in plugin {ep.name!r} ({ep.value}) failed to "
+                    f"load: {_one_line(e)}; the palestra install is broken"
                 ) from e
             self._loaded(plugin, ep.name, ep.value, dist, builtin=True)
 
@@ -377,8 +377,8 @@ def _check_api(plugin: object, name: str) -> None:
         supported = SpecifierSet(declared)
     except InvalidSpecifier:
         raise IncompatiblePlugin(
-            f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} = {declared!r}, which is not a version "
-            "specifier "
+            f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} "
+            f"= {declared!r}, which is not a version specifier "
             f"(write e.g. {_current_range()!r})",
             declared,
         ) from None

@@ -761,8 +761,8 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             "step",
             FAILED if skipped else OK,
             f"{config.optimizer.name} on {config.policy.name} ({sum(recorder.sizes.values()):,} trainable parameters), "
-            f"{config.train.batch_size}x{config.train.group_size} rows: {metrics.get('perf/step_s', u['seconds']):.2f} "
-            "s "
+            f"{config.train.batch_size}x{config.train.group_size} "
+            f"rows: {metrics.get('perf/step_s', u['seconds']):.2f} s "
             f"(build {build_s:.2f} s, kernels {warmup_s:.2f} s)"
             + (
                 f"; the step was SKIPPED (no update): {cause}"

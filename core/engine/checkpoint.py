@@ -359,8 +359,8 @@ def _check_archive(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} is corrupt: it is empty (0 bytes)")
     if not zipfile.is_zipfile(path):  # a torch archive is a zip whose directory is at its end
         raise CheckpointError(
-            f"checkpoint {path} is corrupt: truncated or not a torch.save archive ({size} bytes, no zip directory at "
-            "its end)"
+            f"checkpoint {path} is corrupt: truncated or not a torch.save "
+            f"archive ({size} bytes, no zip directory at its end)"
         )
 
 

@@ -41,12 +41,12 @@ RULES: dict[str, str] = {
     "metrics are floats": "update returns a dict of str -> finite Python float (not tensors)",
     "parameters change": "an update changes the policy's parameters",
     "NaN loss skips the step": (
-        "with a NaN loss update returns train/skipped = 1.0, leaves every parameter as it was, "
-        "and the next update is finite"
+        "with a NaN loss update returns train/skipped = 1.0, leaves "
+        "every parameter as it was, and the next update is finite"
     ),
     "state round-trip": (
-        "state_dict() saves with torch.save, and a fresh optimiser on a fresh policy, loaded from it, "
-        "continues bit for bit"
+        "state_dict() saves with torch.save, and a fresh optimiser "
+        "on a fresh policy, loaded from it, continues bit for bit"
     ),
 }
 

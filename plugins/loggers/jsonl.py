@@ -52,8 +52,8 @@ def json_record(metrics: Mapping[str, Any], step: int, wall_time: float) -> dict
     for key, value in metrics.items():
         if key in RESERVED_KEYS:
             raise ValueError(
-                f"metric name {key!r} is reserved by the jsonl logger (every line has {' and '.join(RESERVED_KEYS)}); "
-                "rename the metric"
+                f"metric name {key!r} is reserved by the jsonl logger (every "
+                f"line has {' and '.join(RESERVED_KEYS)}); rename the metric"
             )
         record[str(key)] = scalar_value(key, value)
     return record

@@ -84,8 +84,8 @@ class WandbLogger:
         except Exception as e:  # wandb's errors span lines (retry logs, hints); the first says what went wrong
             first = (str(e).strip().splitlines() or [""])[0]
             hint = (
-                " (online mode needs `wandb login` or WANDB_API_KEY and a reachable server; mode: offline needs "
-                "neither)"
+                " (online mode needs `wandb login` or WANDB_API_KEY "
+                "and a reachable server; mode: offline needs neither)"
                 if o.mode == "online"
                 else ""
             )

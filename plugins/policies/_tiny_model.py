@@ -220,8 +220,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
         total = past + length
         if tuple(attention_mask.shape) != (b, total):
             raise ValueError(
-                f"attention_mask: expected shape [B, cached + new] = [{b}, {total}] ({past} cached), got "
-                f"{list(attention_mask.shape)}"
+                f"attention_mask: expected shape [B, cached + new] = [{b}, {total}] ({past} cached), "
+                f"got {list(attention_mask.shape)}"
             )
         if tuple(position_ids.shape) != (b, length):
             raise ValueError(

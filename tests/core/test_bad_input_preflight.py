@@ -93,8 +93,8 @@ def test_cuda_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch, device: s
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
     assert refused([f"train.device={device}"]) == (
-        f"train.device: {device!r} needs a CUDA GPU, but CUDA is not available (this torch is a CPU-only build); use "
-        "auto or cpu"
+        f"train.device: {device!r} needs a CUDA GPU, but CUDA is not "
+        "available (this torch is a CPU-only build); use auto or cpu"
     )
 
 
@@ -122,8 +122,8 @@ def test_the_default_config_passes_preflight() -> None:
 # ---- 2. kernels.backend and PALESTRA_KERNELS -----------------------------------------------------------
 def test_cuda_back_end_on_a_cpu_run_is_refused() -> None:
     assert refused(["train.device=cpu", "kernels.backend=cuda"]) == (
-        "kernels.backend: the cuda back end runs on CUDA tensors, but the run is on cpu (train.device='cpu'); use auto "
-        "or torch"
+        "kernels.backend: the cuda back end runs on CUDA tensors, "
+        "but the run is on cpu (train.device='cpu'); use auto or torch"
     )
 
 
@@ -228,8 +228,8 @@ def test_unwritable_output_dir_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_p
             )
         assert refused([f"run.output_dir={locked}"]) == f"run.output_dir: '{locked}' is not writable by this user"
         assert refused([f"run.output_dir={locked}/runs"]) == (
-            f"run.output_dir: '{locked}/runs' is not writable by this user (its nearest existing folder '{locked}' is "
-            "not writable)"
+            f"run.output_dir: '{locked}/runs' is not writable by this "
+            f"user (its nearest existing folder '{locked}' is not writable)"
         )
     finally:
         locked.chmod(0o755)
@@ -288,8 +288,8 @@ def test_under_torchrun_the_estimate_is_per_rank(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(micro_batching, "free_memory_bytes", lambda device: 10**9)
     msg = refused(["train.device=cpu", "train.batch_size=400000000", "train.group_size=1", "train.max_new_tokens=1"])
     assert msg.startswith(
-        "train.batch_size: 400000000 tasks x train.group_size 1 = 100000000 rows per rank (4 ranks) need at least 2.2 "
-        "GB"
+        "train.batch_size: 400000000 tasks x train.group_size 1 "
+        "= 100000000 rows per rank (4 ranks) need at least 2.2 GB"
     )
 
 
@@ -319,13 +319,13 @@ def test_unwritable_cache_with_a_forced_native_back_end_is_refused(
     monkeypatch.setenv("PALESTRA_CACHE_DIR", str(a_file / "cache"))
     problem = f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory)"
     assert refused(["train.device=cpu", "kernels.backend=cpp"]) == (
-        f"{problem}; kernels.backend=cpp builds its kernels there (fix it, or use kernels.backend=auto to fall back to "
-        "torch)"
+        f"{problem}; kernels.backend=cpp builds its kernels there "
+        "(fix it, or use kernels.backend=auto to fall back to torch)"
     )
     monkeypatch.setenv("PALESTRA_KERNELS", "cpp")
     assert refused(["train.device=cpu"]) == (
-        f"{problem}; PALESTRA_KERNELS=cpp builds its kernels there (fix it, or use kernels.backend=auto to fall back "
-        "to torch)"
+        f"{problem}; PALESTRA_KERNELS=cpp builds its kernels there "
+        "(fix it, or use kernels.backend=auto to fall back to torch)"
     )
 
 
@@ -333,8 +333,8 @@ def test_unset_cache_variable_names_the_default_folder(monkeypatch: pytest.Monke
     monkeypatch.delenv("PALESTRA_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(a_file))
     assert build.cache_dir_problem() == (
-        f"the kernel cache '{a_file}/palestra/extensions' (set PALESTRA_CACHE_DIR to move it): not a writable folder "
-        "(Not a directory)"
+        f"the kernel cache '{a_file}/palestra/extensions' (set "
+        "PALESTRA_CACHE_DIR to move it): not a writable folder (Not a directory)"
     )
 
 
@@ -346,8 +346,8 @@ def test_unwritable_cache_under_auto_warns_once_in_preflight(monkeypatch: pytest
         preflight(config)
         preflight(config)
     assert [str(w.message) for w in caught] == [
-        f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory); the native kernels fall back "
-        "to torch"
+        f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder "
+        "(Not a directory); the native kernels fall back to torch"
     ]
     assert caught[0].category is dispatch.KernelFallbackWarning
     assert caught[0].category.__module__.startswith("palestra.")  # printed as one 'palestra: warning:' line

@@ -393,8 +393,8 @@ def test_weights_that_do_not_fit_their_config_name_the_parameter_and_the_config_
     assert result.returncode == 2
     assert error_line(result) == (
         f"palestra train: error: checkpoint {run_dir}/checkpoint.pt does not fit the policy built from its config "
-        f"(policy 'tiny', policy.options): parameter 'embed.weight' is [{vocab}, 32] in the checkpoint and [{vocab}, "
-        "64] in the policy"
+        "(policy 'tiny', policy.options): parameter 'embed.weight' is "
+        f"[{vocab}, 32] in the checkpoint and [{vocab}, 64] in the policy"
     )
 
 
@@ -727,8 +727,8 @@ def test_a_metrics_file_shorter_than_the_checkpoint_recorded_is_cut_to_a_complet
     assert result.returncode == 0, result.stderr[-3000:]
     cut = len("".join(lines[:2]).encode())
     assert result.stderr.strip().splitlines() == [
-        f"palestra: warning: {log} is {cut + 10} bytes, shorter than the {recorded} recorded at step 2: lines were "
-        "lost; "
+        f"palestra: warning: {log} is {cut + 10} bytes, shorter "
+        f"than the {recorded} recorded at step 2: lines were lost; "
         f"cut to its last complete line ({cut} bytes) before resuming"
     ]
     steps = [m["step"] for m in metric_lines(run_dir)]  # every line parses: nothing was appended after a fragment

@@ -242,8 +242,8 @@ def test_unknown_component_name_suggests_the_closest() -> None:
         ("train.dtype=fp8", "train.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'"),
         (
             "kernels.backend=cdua",
-            "kernels.backend: expected one of 'auto', 'torch', 'cpp', 'cuda', 'triton', got 'cdua'; did you mean "
-            "'cuda'?",
+            "kernels.backend: expected one of 'auto', 'torch', "
+            "'cpp', 'cuda', 'triton', got 'cdua'; did you mean 'cuda'?",
         ),
         ("run.seed=[1]", "run.seed: expected an integer, got [1]"),
         ("train=3", "train: expected a mapping, got 3"),

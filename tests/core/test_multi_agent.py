@@ -98,8 +98,8 @@ def test_unknown_layer_name_is_an_error_naming_it_with_its_key_path_and_the_vali
     with pytest.raises(ConfigError) as e:
         MultiAgentPolicy(tiny(), sharing(["embedding", "encodr"], ["decoder"]), AGENTS)
     assert str(e.value) == (
-        "agents.shared_layers[1]: unknown layer group 'encodr'; the policy's layer groups are embedding, encoder, "
-        "decoder"
+        "agents.shared_layers[1]: unknown layer group 'encodr'; "
+        "the policy's layer groups are embedding, encoder, decoder"
     )
     with pytest.raises(ConfigError, match=r"^agents\.independent_layers\[0\]: unknown layer group 'head'"):
         MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["head"]), AGENTS)

@@ -736,12 +736,12 @@ def _build_emulated_cuda(build_dir):
         "  out[0] = p.num_chunks; out[1] = p.chunk; out[2] = p.partial_doubles; out[3] = p.chunk_error_slots;\n"
         "  return 0;\n}\n"
         'extern "C" int emu_normalize(const void* r, int dtype, const int64_t* seg, int64_t n, int64_t S,\n'
-        "    double* count, double* mean, double* m2, double clip, double eps, bool update, float* out, double* "
-        "partials,\n"
+        "    double* count, double* mean, double* m2, double clip, "
+        "double eps, bool update, float* out, double* partials,\n"
         "    int64_t* chunk_errors, int64_t* error_out, double* coefficients) {\n"
         "  const auto kind = static_cast<palestra::cuda::RewardDType>(dtype);\n"
-        "  return palestra::cuda::launch_normalize_rewards(r, kind, seg, n, S, count, mean, m2, clip, eps, update, "
-        "out,\n"
+        "  return palestra::cuda::launch_normalize_rewards(r, "
+        "kind, seg, n, S, count, mean, m2, clip, eps, update, out,\n"
         "      partials, chunk_errors, error_out, coefficients, nullptr);\n}\n"
     )
     lib_path = build_dir / "reward_norm_emulated.so"

@@ -182,8 +182,8 @@ def test_bad_files_and_rows_are_one_line_each(tmp_path: Path) -> None:
         "environment.options.metadata_columns: no column 'source'"
     )
     assert error(tmp_path / "nope.jsonl") == (
-        f"environment.options.path: '{tmp_path / 'nope.jsonl'}' does not exist (a local file or folder; nothing is "
-        "downloaded)"
+        f"environment.options.path: '{tmp_path / 'nope.jsonl'}' does "
+        "not exist (a local file or folder; nothing is downloaded)"
     )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")

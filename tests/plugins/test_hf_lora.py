@@ -98,8 +98,8 @@ def test_null_targets_take_peft_defaults_and_all_linear_adapts_every_linear_laye
          r"the layers LoRA can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, "
          r"v_proj$"),
         ({"target_modules": ["input_layernorm"]},
-         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' names LlamaRMSNorm modules, which LoRA "
-         r"cannot adapt"),
+         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' "
+         r"names LlamaRMSNorm modules, which LoRA cannot adapt"),
         ({"target_modules": []}, r"^policy\.options\.lora\.target_modules: is an empty list"),
         ({"target_modules": "attention"},
          r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),

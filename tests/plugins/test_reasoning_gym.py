@@ -137,8 +137,8 @@ def test_without_the_package_it_is_listed_unavailable_and_asking_for_it_is_one_l
     kind, message = runs["direct"]
     assert kind == "MissingDependency"
     assert message == (
-        "the reasoning_gym environment needs the Python package 'reasoning_gym', which is not installed; install "
-        f"it with: {INSTALL}"
+        "the reasoning_gym environment needs the Python package "
+        f"'reasoning_gym', which is not installed; install it with: {INSTALL}"
     )
 
 

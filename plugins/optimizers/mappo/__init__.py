@@ -83,8 +83,8 @@ class MAPPOOptions(AlgorithmOptions):
         if self.loss_agg != "token_mean":
             raise OptionError(
                 "loss_agg",
-                "mappo averages each agent's loss over its own tokens; only 'token_mean' applies, got "
-                f"{self.loss_agg!r}",
+                "mappo averages each agent's loss over its own tokens; "
+                f"only 'token_mean' applies, got {self.loss_agg!r}",
             )
         if self.critic_d_model % self.critic_heads or (self.critic_d_model // self.critic_heads) % 2:
             raise OptionError(
@@ -187,8 +187,8 @@ class MAPPO(Algorithm):
             return
         if self.reward_moments is not None:
             raise ValueError(
-                f"{self.name}: agent(s) {', '.join(new)} appeared after training started; the agents were "
-                f"{', '.join(self.agents)}"
+                f"{self.name}: agent(s) {', '.join(new)} appeared after "
+                f"training started; the agents were {', '.join(self.agents)}"
             )
         self.agents.extend(new)
         device = self.device if self.device is not None else torch.device("cpu")
@@ -402,8 +402,8 @@ class MAPPO(Algorithm):
         want = {"critic", "agents", "reward_moments", "value_normalizer", "shared_accum", "counters"}
         if set(state) != want:
             raise KeyError(
-                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, unexpected keys "
-                f"{sorted(set(state) - want)}"
+                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, "
+                f"unexpected keys {sorted(set(state) - want)}"
             )
         self.critic.load_state_dict(state["critic"])
         self.agents, self.reward_moments, self.value_normalizer = [], None, None
