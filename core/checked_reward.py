@@ -43,8 +43,7 @@ class RewardError(ValueError):
 
 # ---- the checked call --------------------------------------------------------------------------------
 class CheckedReward:
-    """Calls a reward and validates what it returns; always returns a :class:`RewardOutput` with float32 ``[B]``
-    scores."""
+    """Calls a reward and validates its output; always returns a :class:`RewardOutput` with float32 ``[B]`` scores."""
 
     def __init__(self, reward: Any, *, name: str, path: str | None = None) -> None:
         if not callable(reward):
@@ -97,8 +96,7 @@ class CheckedReward:
     def evaluate(
         self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> RewardOutput:
-        """Score held-out rows against the full objective, leaving the reward's state (a curriculum's progress)
-        unchanged.
+        """Score held-out rows against the full objective; the reward's state (a curriculum's progress) is unchanged.
 
         A reward with its own ``evaluate`` (the combinators) decides what "full" means; any other reward is
         called on a copy, so a stateful one is not advanced by evaluation.

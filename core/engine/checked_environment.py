@@ -115,8 +115,7 @@ def check_reset(out: Any, batch_size: int, group_size: int, *, agents: Sequence[
 def check_step(
     out: Any, actions: Sequence[str | None], live: Sequence[bool], *, agents: Sequence[str] | None = None
 ) -> str | None:
-    """None if ``out`` keeps the ``step`` rules for ``actions`` (rows ``live`` before the step), else the rule it
-    broke."""
+    """The ``step`` rule ``out`` breaks for ``actions`` (rows ``live`` before the step), or None if it keeps them."""
     n = len(live)
     if not isinstance(out, StepResult):
         return (

@@ -102,8 +102,7 @@ _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (corrupt, unsafe, another format, not matching its run). One line, naming the
-    file."""
+    """A checkpoint that cannot be used (corrupt, unsafe, another format, not its run's); one line, naming the file."""
 
     palestra_user_error = True
 
@@ -247,8 +246,10 @@ def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: int, keep: int) -> Path:
-    """Write ``checkpoints/step-NNNNNN.pt``, point ``latest`` at it, keep the newest ``keep`` and clear stale
-    temporaries."""
+    """Write ``checkpoints/step-NNNNNN.pt`` and point ``latest`` at it.
+
+    Keeps the newest ``keep`` step checkpoints and clears stale temporaries.
+    """
     folder = Path(run_dir) / CHECKPOINT_DIR
     path = save_checkpoint(state, folder / step_name(step))
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
@@ -636,8 +637,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 # ---- logged files --------------------------------------------------------------------------------------
 def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
-    """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the
-    run."""
+    """Bytes in each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
     out: dict[str, int] = {}
     for logger in loggers:
         path = logger.path if isinstance(logger, FileLogger) else None

@@ -177,8 +177,7 @@ def collect(
     seed: int | None = None,
     rng: torch.Generator | None = None,
 ) -> Rollout:
-    """Play ``batch_size * group_size`` episodes with ``policy`` answering every turn through the generation
-    ``backend``.
+    """Play ``batch_size * group_size`` episodes, ``policy`` answering every turn through the generation ``backend``.
 
     ``seed`` picks the environment's tasks; ``rng`` drives the sampling.
     """

@@ -3,8 +3,8 @@
 Works with any :class:`palestra.models.policy.CausalLMPolicy`: the prompt is prefilled with one
 ``policy.decode_step`` call, then every step feeds one token per row and reuses the cache. Rows end on
 the tokenizer's EOS, on ``params.stop_token_ids``, on a stop string, or at their length limit:
-``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed padding
-(masked out) until every row is done, which ends the loop early.
+``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed
+padding (masked out) until every row is done, which ends the loop early.
 
 The result follows the completion conventions of :class:`palestra.types.Generation`:
 
@@ -170,8 +170,7 @@ class _StopStrings:
 
 
 def _check_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-    """Raise a one-line ValueError unless the prompts are a non-empty, left-padded int64 ``[B, P]`` with its bool
-    mask."""
+    """Raise a one-line ValueError unless the prompts are a non-empty, left-padded int64 ``[B, P]`` and bool mask."""
     if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.int64:
         raise ValueError(
             f"prompt_ids: expected an int64 tensor [B, P], got {prompt_ids.dtype} {list(prompt_ids.shape)}"

@@ -89,8 +89,7 @@ def format_duration(seconds: float) -> str:
 
 
 def select_metrics(metrics: Mapping[str, Any], keys: list[str]) -> list[tuple[str, Any]]:
-    """``(short name, value)`` for each of ``keys`` present in ``metrics``, in the order of ``keys`` (globs expand
-    sorted)."""
+    """``(short name, value)`` for each of ``keys`` in ``metrics``, in the order of ``keys`` (globs expand sorted)."""
     chosen: list[str] = []
     for key in keys:
         matches = (

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("palestra.plugins.optimizers.grpo_family")
 
-# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them (see
-# rows_for_update)
+# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them
+# (see rows_for_update)
 ROW_WEIGHT = "dapo_row_weight"
 
 

@@ -57,8 +57,7 @@ def write_config(
 def torchrun(
     args: list[str], cwd: Path, *, timeout: float = 120, sites: tuple[Path, ...] = (), **env_vars: str
 ) -> subprocess.CompletedProcess[str]:
-    """``palestra train ARGS`` on 2 ranks; ``sites``: plugin install folders (the fault-injection plugin) on the
-    path."""
+    """``palestra train ARGS`` on 2 ranks; ``sites``: plugin install folders (the fault-injection plugin) to add."""
     env = {
         k: v
         for k, v in os.environ.items()

@@ -41,8 +41,7 @@ TEXT = "3 + 4 =<answer>7</answer> 12 + 30 =<answer>42</answer>"
 
 
 def train_run(tmp: Path, name: str, *overrides: str) -> Trainer:
-    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end); the trainer after
-    it."""
+    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end), and its trainer."""
     config = load_config(None, [*SMALL, f"run.output_dir={tmp}", f"run.name={name}", *overrides])
     trainer = Trainer(config)
     trainer.train()

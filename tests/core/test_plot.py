@@ -1,5 +1,4 @@
-"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot`
-command."""
+"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and `palestra plot`."""
 
 from __future__ import annotations
 

@@ -11,9 +11,8 @@ policy that ignores the question and always answers the most frequent sum: the p
   seed 0: the built-in tagged task on all 100 one-digit sums, the issue's hardest goal.
 * ``test_every_example_learns_the_sums_on_the_median_seed`` (``PALESTRA_ROBUSTNESS=1``): every example config and
   the default run, as written (2000 steps each, 1200 for hundred_facts; 11 configs x 3 seeds, ~95 min on two cores),
-  which is what ``bench/robustness.py``
-  measures. It is not in CI: it does not fit the budget. Measured on 2026-12-03 (docs/learning.md, "Examples x seeds"),
-  every config's median seed is above the constant-answer level.
+  which is what ``bench/robustness.py`` measures. It is not in CI: it does not fit the budget. Measured on 2026-12-03
+  (docs/learning.md, "Examples x seeds"), every config's median seed is above the constant-answer level.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ AGENTS = ("left", "right")
 
 
 class HandOver:
-    """Two turns: ``left`` sees ``L?`` and should say ``1``; ``right`` sees ``R<left's answer>?`` and should say
-    ``0``."""
+    """Two turns: ``left`` sees ``L?``, should say ``1``; ``right`` sees ``R<left's answer>?``, should say ``0``."""
 
     agent_ids = AGENTS
     max_turns = 2

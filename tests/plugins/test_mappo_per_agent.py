@@ -1,5 +1,5 @@
-"""MAPPO's per-agent math (palestra.plugins.optimizers.mappo.per_agent) against float64 hand computations (plain Python
-loops over rows and agents) on random inputs.
+"""MAPPO's per-agent math (palestra.plugins.optimizers.mappo.per_agent) against float64 hand computations (plain
+Python loops over rows and agents) on random inputs.
 
 Edge cases throughout: fully masked rows, T=1, one agent, an agent absent from the batch.
 """

@@ -16,16 +16,16 @@ shared layers, the critic), per-agent clipping (:meth:`MAPPO.clip_gradients`), p
 (:meth:`MAPPO.begin_update` sets the row weights, :meth:`MAPPO.micro_weights` counts every micro-batch as 1) and the
 shared-layer update window (:meth:`MAPPO.on_optimizers`, :meth:`MAPPO.before_optimizer_step`,
 :meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent
-running statistics (reward moments, value normaliser) are
-merged over ranks every step, so every rank normalises with the global batch's statistics.
+running statistics (reward moments, value normaliser) are merged over ranks every step, so every rank normalises with
+the global batch's statistics.
 
 The known multi-agent pitfalls, as features:
 
 * **per-agent reward normalisation** (``normalize_rewards``, default on): each agent's rewards are normalised by
   that agent's running statistics, through the segmented ``normalize_rewards`` kernel (segment = agent);
-* **per-agent value normalisation** (``value_norm``): the critic regresses ``(R - mean_a) / std_a``
-  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`) and its outputs are de-normalised per agent
-  before GAE;
+* **per-agent value normalisation** (``value_norm``): the critic regresses ``(R - mean_a) / std_a``, and its
+  outputs are de-normalised per agent before GAE
+  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`);
 * **per-agent loss weighting**: each agent's loss is the mean over its own tokens, and the agents' losses are
   summed: a verbose agent (long replies) does not outweigh a terse one (a one-token label);
 * **per-agent gradient clipping** (always): every agent's own parameters, the shared parameters and the critic
