@@ -33,9 +33,9 @@ Both commits at once, or the earlier side kept once and reused:
 
 ``--keep DIR`` writes the before side (its exported tree, installed site, kernel cache and run folders, the tiny
 models, and ``manifest.json``: the commit, the steps, the Python/torch/transformers versions, every case's command
-and outcome) under ``DIR``; run again with the same commit it skips the cases already done. ``--before-dir DIR`` runs only the after side, with the
-manifest's cases and the kept tiny models, in a temporary folder (removed when everything matches, kept and named
-otherwise).
+and outcome) under ``DIR``; run again with the same commit it skips the cases already done.
+``--before-dir DIR`` runs only the after side, with the manifest's cases and the kept tiny models, in a temporary
+folder (removed when everything matches, kept and named otherwise).
 """
 
 from __future__ import annotations
@@ -111,8 +111,12 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "machine": platform.machine()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+    }
 
 
 def install(sha: str, side: Path) -> Path:
@@ -128,7 +132,18 @@ def install(sha: str, side: Path) -> Path:
     if archive.returncode:
         fail(f"git archive {sha[:12]} failed: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
-    out = sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(src))
+    out = sh(
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+        str(src),
+    )
     if out.returncode:
         fail(f"installing {sha[:12]} failed: {out.stderr.strip().splitlines()[-1]}")
     stamp.write_text(sha + "\n")
@@ -189,34 +204,66 @@ def cases(examples: Path, hf_dir: Path, gguf_path: Path) -> dict[str, Case]:
     mappo = ["--config", str(examples / "customer_service_mappo.yaml"), "train.batch_size=4"]  # 2 episodes a rank
     for strategy in ("ddp", "fsdp"):
         # gloo and a short collective timeout: a rank that dies fails the job in seconds instead of hanging it
-        dist = ["train.device=cpu", f"distributed.strategy={strategy}", "distributed.backend=gloo", "distributed.timeout_s=300"]
+        dist = [
+            "train.device=cpu",
+            f"distributed.strategy={strategy}",
+            "distributed.backend=gloo",
+            "distributed.timeout_s=300",
+        ]
         out[f"torchrun_{strategy}"] = Case(f"torchrun_{strategy}", dist, torchrun=True)
-        out[f"torchrun_{strategy}_dense"] = Case(f"torchrun_{strategy}_dense", [*dist, dense_reward(DENSE_TARGET["tiny"])],
-                                                 torchrun=True)
-        out[f"customer_service_mappo_{strategy}"] = Case(f"customer_service_mappo_{strategy}", mappo + dist, torchrun=True)
+        out[f"torchrun_{strategy}_dense"] = Case(
+            f"torchrun_{strategy}_dense", [*dist, dense_reward(DENSE_TARGET["tiny"])], torchrun=True
+        )
+        out[f"customer_service_mappo_{strategy}"] = Case(
+            f"customer_service_mappo_{strategy}", mappo + dist, torchrun=True
+        )
     return out
 
 
 def train(case: Case, site: Path, side: Path, examples: Path, steps: int, timeout: float) -> Path:
     """Run ``case`` with the install in ``site``; returns its run folder (``side/runs/NAME``). Raises
     ``RuntimeError`` with the output's last lines when it fails."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in INHERITED_NOT}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in INHERITED_NOT
+    }
     # One kernel cache per side: the two installs build the same sources at different paths.
-    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0",
-               PALESTRA_CACHE_DIR=str(side / "kernel-cache"))
+    env.update(
+        PYTHONPATH=str(site),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        PALESTRA_CACHE_DIR=str(side / "kernel-cache"),
+    )
     # The examples' relative data paths (examples/data/...) resolve against the working folder: the earlier commit's.
     link = side / "examples"
     if not link.exists():
         link.symlink_to(examples, target_is_directory=True)
     run_dir = side / "runs" / case.name
     shutil.rmtree(run_dir, ignore_errors=True)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if case.torchrun else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        if case.torchrun
+        else [sys.executable]
+    )
     # A relative output folder, so that the configs saved in both sides' checkpoints are the same text.
-    cmd = [*launcher, "-m", "palestra", "train", *case.args, f"train.steps={steps}", "train.save_every=1",
-           "train.log_every=1", "run.output_dir=runs", f"run.name={case.name}"]
+    cmd = [
+        *launcher,
+        "-m",
+        "palestra",
+        "train",
+        *case.args,
+        f"train.steps={steps}",
+        "train.save_every=1",
+        "train.log_every=1",
+        "run.output_dir=runs",
+        f"run.name={case.name}",
+    ]
     # A session of its own, so that a run past the timeout is ended with every process torchrun started.
-    proc = subprocess.Popen(cmd, cwd=side, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=side, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -231,7 +278,9 @@ def train(case: Case, site: Path, side: Path, examples: Path, steps: int, timeou
     return run_dir
 
 
-def timed_train(case: Case, site: Path, side: Path, examples: Path, steps: int, timeout: float) -> tuple[float, str | None]:
+def timed_train(
+    case: Case, site: Path, side: Path, examples: Path, steps: int, timeout: float
+) -> tuple[float, str | None]:
     """``(seconds, error)`` of one run; error is None when it finished."""
     start = time.monotonic()
     try:
@@ -247,10 +296,14 @@ def main() -> int:
     before = ap.add_mutually_exclusive_group(required=True)
     before.add_argument("--before", help="the earlier commit (run it here)")
     before.add_argument("--before-dir", help="a before side kept with --keep: compare against it without re-running")
-    ap.add_argument("--after", default=None, help="the later commit; without it, --before --keep runs the before side alone")
+    ap.add_argument(
+        "--after", default=None, help="the later commit; without it, --before --keep runs the before side alone"
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", default=None, help="comma-separated case names (default, grpo, torchrun_fsdp, ...)")
-    ap.add_argument("--keep", default=None, help="keep the before side (and, with --after, the after side) in this folder")
+    ap.add_argument(
+        "--keep", default=None, help="keep the before side (and, with --after, the after side) in this folder"
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one training run may take")
     args = ap.parse_args()
     if args.before_dir and args.keep:
@@ -293,8 +346,14 @@ def main() -> int:
         raise
 
 
-def run_cases(args: argparse.Namespace, manifest: Manifest, work: Path, before_side: Path, after_sha: str | None,
-              only: set[str] | None) -> int:
+def run_cases(
+    args: argparse.Namespace,
+    manifest: Manifest,
+    work: Path,
+    before_side: Path,
+    after_sha: str | None,
+    only: set[str] | None,
+) -> int:
     """Train the chosen cases (the before side unless kept, the after side when given), compare, print a line each."""
     steps = manifest.steps
     examples = before_side / "src" / "examples"
@@ -340,13 +399,20 @@ def run_cases(args: argparse.Namespace, manifest: Manifest, work: Path, before_s
             failed += 1
             continue
         found = compare_runs(before_side / "runs" / name, after_side / "runs" / name)
-        what = (f"DIFFERS: {found.problem}" if found.problem else
-                f"identical ({found.metric_lines} metric lines, {found.checkpoints} checkpoints bitwise)")
+        what = (
+            f"DIFFERS: {found.problem}"
+            if found.problem
+            else f"identical ({found.metric_lines} metric lines, {found.checkpoints} checkpoints bitwise)"
+        )
         print(f"{name:28s} {what} [{case.seconds:.0f} s / {seconds:.0f} s]", flush=True)
         failed += found.problem is not None
 
     label = f"{manifest.commit[:9]} -> {args.after}" if args.after else f"{manifest.commit[:9]} kept in {work}"
-    verdict = f"{len(chosen) - failed} identical, {failed} differing or failed" if args.after else f"{len(chosen) - failed} ran, {failed} failed"
+    verdict = (
+        f"{len(chosen) - failed} identical, {failed} differing or failed"
+        if args.after
+        else f"{len(chosen) - failed} ran, {failed} failed"
+    )
     print(f"{verdict} ({label}, {steps} steps; before {total_before:.0f} s, after {total_after:.0f} s)")
     if not args.keep:  # a temporary folder: kept to look into only when something differs
         if failed:

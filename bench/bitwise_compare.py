@@ -67,8 +67,10 @@ def compare_metrics(a: Path, b: Path) -> str | None:
         if canonical(ra) != canonical(rb):  # as text: a NaN equals a NaN, and 0.0 differs from -0.0
             keys = sorted(set(ra) | set(rb))
             diff = [k for k in keys if canonical(ra.get(k, "<missing>")) != canonical(rb.get(k, "<missing>"))]
-            return (f"{METRICS} line {i} differs at {', '.join(diff[:4])}: {[ra.get(k) for k in diff[:2]]} vs "
-                    f"{[rb.get(k) for k in diff[:2]]}")
+            return (
+                f"{METRICS} line {i} differs at {', '.join(diff[:4])}: {[ra.get(k) for k in diff[:2]]} vs "
+                f"{[rb.get(k) for k in diff[:2]]}"
+            )
     return None
 
 
@@ -82,7 +84,7 @@ def canonical(value: Any) -> str:
 
 
 def same_bits(x: Any, y: Any) -> bool:
-    """Two tensors hold the same dtype, shape and bytes (``torch.equal`` would call NaN unequal and -0.0 equal to 0.0)."""
+    """Two tensors hold the same dtype, shape and bytes (``torch.equal`` calls NaN unequal, -0.0 equal to 0.0)."""
     import torch
 
     if x.dtype != y.dtype or x.shape != y.shape:
@@ -140,7 +142,7 @@ def renamed(key: str) -> str:
     """An after-commit checkpoint key as the before-commit layout names it."""
     for name in MOVED_UNDER_EXTRA:
         if key.startswith(f"optimizer.extra.{name}"):
-            return "optimizer." + key[len("optimizer.extra."):]
+            return "optimizer." + key[len("optimizer.extra.") :]
     return key
 
 
@@ -168,7 +170,8 @@ def compare_checkpoints(a: Path, b: Path) -> str | None:
             # a run (it is saved so that a plugin that uses it resumes exactly), so it differs between any two runs
             del flat[key]
     if set(fa) != set(fb):
-        return f"checkpoint keys differ: only before {sorted(set(fa) - set(fb))[:3]}, only after {sorted(set(fb) - set(fa))[:3]}"
+        only_before, only_after = sorted(set(fa) - set(fb))[:3], sorted(set(fb) - set(fa))[:3]
+        return f"checkpoint keys differ: only before {only_before}, only after {only_after}"
     for key in fa:
         x, y = fa[key], fb[key]
         if _is_tensor(x) or _is_tensor(y):

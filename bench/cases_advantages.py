@@ -192,23 +192,55 @@ def cases(device: str, quick: bool, big: bool = False) -> list[dict]:
         size = f"B={B} T={T}"
         gae_bytes = B * T * (4 + 4 + 1 + 4 + 4)
         for backend, reference in our_backends(device):
-            out.append(dict(op="gae", size=size, impl=backend, baseline=reference, bytes=gae_bytes,
-                            fn=ours(backend, lambda r=r, v=v, m=m: K.gae(r, v, m, GAMMA, LAM))))
+            out.append(
+                dict(
+                    op="gae",
+                    size=size,
+                    impl=backend,
+                    baseline=reference,
+                    bytes=gae_bytes,
+                    fn=ours(backend, lambda r=r, v=v, m=m: K.gae(r, v, m, GAMMA, LAM)),
+                )
+            )
         rl = torchrl_inputs(r, v, m)
 
         def run_torchrl(rl=rl):
             return torchrl_gae()(GAMMA, LAM, *rl)
 
         out.append(dict(op="gae", size=size, impl="torchrl-vec", baseline=True, bytes=gae_bytes, fn=run_torchrl))
-        out.append(dict(op="gae", size=size, impl="verl-loop", baseline=True, bytes=gae_bytes,
-                        fn=lambda r=r, v=v, m=m: verl_style_gae(r, v, m, GAMMA, LAM)))
+        out.append(
+            dict(
+                op="gae",
+                size=size,
+                impl="verl-loop",
+                baseline=True,
+                bytes=gae_bytes,
+                fn=lambda r=r, v=v, m=m: verl_style_gae(r, v, m, GAMMA, LAM),
+            )
+        )
 
         ret_bytes = B * T * (4 + 1 + 4)
         for backend, reference in our_backends(device):
-            out.append(dict(op="discounted_returns", size=size, impl=backend, baseline=reference, bytes=ret_bytes,
-                            fn=ours(backend, lambda r=r, m=m: K.discounted_returns(r, m, GAMMA))))
-        out.append(dict(op="discounted_returns", size=size, impl="verl-loop", baseline=True, bytes=ret_bytes,
-                        fn=lambda r=r, m=m: verl_style_returns(r, m, GAMMA)))
+            out.append(
+                dict(
+                    op="discounted_returns",
+                    size=size,
+                    impl=backend,
+                    baseline=reference,
+                    bytes=ret_bytes,
+                    fn=ours(backend, lambda r=r, m=m: K.discounted_returns(r, m, GAMMA)),
+                )
+            )
+        out.append(
+            dict(
+                op="discounted_returns",
+                size=size,
+                impl="verl-loop",
+                baseline=True,
+                bytes=ret_bytes,
+                fn=lambda r=r, m=m: verl_style_returns(r, m, GAMMA),
+            )
+        )
 
     for B, k in group_sizes(device, quick, big):
         rewards = torch.randn(B, generator=torch.Generator().manual_seed(1)).to(device)
@@ -216,15 +248,47 @@ def cases(device: str, quick: bool, big: bool = False) -> list[dict]:
         for scale in ("group", "none"):
             op = f"group_advantages[{scale}]"
             for backend, reference in our_backends(device):
-                out.append(dict(op=op, size=size, impl=backend, baseline=reference, bytes=8 * B,
-                                fn=ours(backend, lambda x=rewards, k=k, s=scale: K.group_advantages(x, k, scale=s))))
-            out.append(dict(op=op, size=size, impl="torch-eager", baseline=True, bytes=8 * B,
-                            fn=lambda x=rewards, k=k, s=scale: eager_group(x, k, s)))
+                out.append(
+                    dict(
+                        op=op,
+                        size=size,
+                        impl=backend,
+                        baseline=reference,
+                        bytes=8 * B,
+                        fn=ours(backend, lambda x=rewards, k=k, s=scale: K.group_advantages(x, k, scale=s)),
+                    )
+                )
+            out.append(
+                dict(
+                    op=op,
+                    size=size,
+                    impl="torch-eager",
+                    baseline=True,
+                    bytes=8 * B,
+                    fn=lambda x=rewards, k=k, s=scale: eager_group(x, k, s),
+                )
+            )
         for backend, reference in our_backends(device):
-            out.append(dict(op="rloo_advantages", size=size, impl=backend, baseline=reference, bytes=8 * B,
-                            fn=ours(backend, lambda x=rewards, k=k: K.rloo_advantages(x, k))))
-        out.append(dict(op="rloo_advantages", size=size, impl="torch-eager", baseline=True, bytes=8 * B,
-                        fn=lambda x=rewards, k=k: eager_rloo(x, k)))
+            out.append(
+                dict(
+                    op="rloo_advantages",
+                    size=size,
+                    impl=backend,
+                    baseline=reference,
+                    bytes=8 * B,
+                    fn=ours(backend, lambda x=rewards, k=k: K.rloo_advantages(x, k)),
+                )
+            )
+        out.append(
+            dict(
+                op="rloo_advantages",
+                size=size,
+                impl="torch-eager",
+                baseline=True,
+                bytes=8 * B,
+                fn=lambda x=rewards, k=k: eager_rloo(x, k),
+            )
+        )
     return out
 
 
@@ -275,20 +339,33 @@ def remeasure(ops: set[str], device: str, min_time: float) -> tuple[list[dict], 
         for case in group:
             calls, _ = times[case["impl"]]
             seconds = statistics.median(calls)
-            rows.append(dict(op=op, size=size, impl=case["impl"], baseline=case["baseline"], seconds=seconds,
-                             peak_bytes=peak_memory(case["fn"], device), gbps=case["bytes"] / seconds / 1e9,
-                             error=None))
+            rows.append(
+                dict(
+                    op=op,
+                    size=size,
+                    impl=case["impl"],
+                    baseline=case["baseline"],
+                    seconds=seconds,
+                    peak_bytes=peak_memory(case["fn"], device),
+                    gbps=case["bytes"] / seconds / 1e9,
+                    error=None,
+                )
+            )
             q1, _, q3 = statistics.quantiles(calls, n=4)
-            notes.append(f"  {op:<24} {size:<18} {case['impl']:<12} median {seconds * 1e6:7.2f} us  "
-                         f"(quartiles {q1 * 1e6:.2f}-{q3 * 1e6:.2f} us, {len(calls)} calls)")
+            notes.append(
+                f"  {op:<24} {size:<18} {case['impl']:<12} median {seconds * 1e6:7.2f} us  "
+                f"(quartiles {q1 * 1e6:.2f}-{q3 * 1e6:.2f} us, {len(calls)} calls)"
+            )
         for case in group:  # paired ratios: per round, a native row's median over each other row's
             if case["baseline"]:
                 continue
             for other in group:
                 if other is not case:
                     ratio = statistics.median(a / b for a, b in zip(times[case["impl"]][1], times[other["impl"]][1]))
-                    notes.append(f"  {op:<24} {size:<18} {case['impl']} / {other['impl']}, paired by round: "
-                                 f"{ratio:.2f} (< 1: {case['impl']} faster)")
+                    notes.append(
+                        f"  {op:<24} {size:<18} {case['impl']} / {other['impl']}, paired by round: "
+                        f"{ratio:.2f} (< 1: {case['impl']} faster)"
+                    )
     _add_ratios(rows)
     return rows, notes
 
@@ -325,11 +402,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"re-measuring {sorted(ops)} on {device}, {torch.get_num_threads()} thread(s)", file=sys.stderr)
     rows, notes = remeasure(ops, device, args.min_time)
     repo = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo
+    ).stdout.strip()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    note = dict(ops=sorted(ops), date=when, threads=torch.get_num_threads(), torch=torch.__version__, commit=commit,
-                how="python bench/cases_advantages.py --update (each (op, size) group alternated, "
-                    f"{args.min_time:g} s per group; medians of single calls)")
+    note = dict(
+        ops=sorted(ops),
+        date=when,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        commit=commit,
+        how="python bench/cases_advantages.py --update (each (op, size) group alternated, "
+        f"{args.min_time:g} s per group; medians of single calls)",
+    )
     path = Path(args.update)
     all_rows = splice(path, rows, note)
     table = format_table(all_rows)
@@ -337,16 +422,23 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(notes))
     txt = path.with_suffix(".txt")
     threads = torch.get_num_threads()
-    txt.write_text(table + "\n\n" + "\n".join([
-        f"Re-measured {when} (commit {commit} + working tree), {threads} thread(s): {', '.join(sorted(ops))}.",
-        f"Those rows: `OMP_NUM_THREADS={threads} python bench/cases_advantages.py --update {path.as_posix()}`,",
-        f"the implementations of each (op, size) timed alternately ({args.min_time:g} s a group, medians of",
-        "single calls). `torch` is Palestra's own torch back end, the reference that `auto` is held to, timed",
-        "through the same public call and wrapper as `cpp`; `torch-eager` is the bare TRL-style float32 peer",
-        "(reported, not the rule).",
-        "Every other row is the original `palestra bench` run (meta.threads threads).",
-        *notes,
-    ]) + "\n")
+    txt.write_text(
+        table
+        + "\n\n"
+        + "\n".join(
+            [
+                f"Re-measured {when} (commit {commit} + working tree), {threads} thread(s): {', '.join(sorted(ops))}.",
+                f"Those rows: `OMP_NUM_THREADS={threads} python bench/cases_advantages.py --update {path.as_posix()}`,",
+                f"the implementations of each (op, size) timed alternately ({args.min_time:g} s a group, medians of",
+                "single calls). `torch` is Palestra's own torch back end, the reference that `auto` is held to, timed",
+                "through the same public call and wrapper as `cpp`; `torch-eager` is the bare TRL-style float32 peer",
+                "(reported, not the rule).",
+                "Every other row is the original `palestra bench` run (meta.threads threads).",
+                *notes,
+            ]
+        )
+        + "\n"
+    )
     print(f"written: {path}, {txt}", file=sys.stderr)
     return 0
 

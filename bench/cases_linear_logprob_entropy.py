@@ -115,10 +115,26 @@ def cases(device: str, quick: bool) -> list[dict]:
         # at least: read the weight once (forward); three times, and write its gradient, forward + backward
         nbytes = weight.numel() * weight.element_size()
         for impl, fn, baseline in implementations(device):
-            out.append({"op": OP_FWD, "size": size, "impl": impl, "baseline": baseline, "bytes": nbytes,
-                        "fn": forward_fn(fn, hidden, weight, targets)})
-            out.append({"op": OP_FWD_BWD, "size": size, "impl": impl, "baseline": baseline, "bytes": 4 * nbytes,
-                        "fn": fwd_bwd_fn(fn, hidden, weight, targets, g_logp, g_ent)})
+            out.append(
+                {
+                    "op": OP_FWD,
+                    "size": size,
+                    "impl": impl,
+                    "baseline": baseline,
+                    "bytes": nbytes,
+                    "fn": forward_fn(fn, hidden, weight, targets),
+                }
+            )
+            out.append(
+                {
+                    "op": OP_FWD_BWD,
+                    "size": size,
+                    "impl": impl,
+                    "baseline": baseline,
+                    "bytes": 4 * nbytes,
+                    "fn": fwd_bwd_fn(fn, hidden, weight, targets, g_logp, g_ent),
+                }
+            )
     return out
 
 
@@ -185,20 +201,33 @@ def measure(device: str, shapes, rounds: int) -> list[dict]:
                 sync()
                 times[name].append(time.perf_counter() - t0)
         for name, fn, _ in impls:
-            row = {"size": size, "impl": name, "seconds": statistics.median(times[name]), "times": times[name],
-                   "saved_bytes": saved_bytes(fn, hidden, weight, targets),
-                   "peak_bytes": peak_memory(fns[name], device)}
+            row = {
+                "size": size,
+                "impl": name,
+                "seconds": statistics.median(times[name]),
+                "times": times[name],
+                "saved_bytes": saved_bytes(fn, hidden, weight, targets),
+                "peak_bytes": peak_memory(fns[name], device),
+            }
             rows.append(row)
-            print(f"  {size:<24} {name:<12} {row['seconds'] * 1e3:10.1f} ms   saved {_mib(row['saved_bytes']):>12}"
-                  f"   peak {_mib(row['peak_bytes']):>12}", flush=True)
+            print(
+                f"  {size:<24} {name:<12} {row['seconds'] * 1e3:10.1f} ms   saved {_mib(row['saved_bytes']):>12}"
+                f"   peak {_mib(row['peak_bytes']):>12}",
+                flush=True,
+            )
         ours_rows = [r for r in rows if r["size"] == size and r["impl"] in ("cpp", "cuda", "triton")]
         for base in ("unfused", "torch-eager"):
             b = next(r for r in rows if r["size"] == size and r["impl"] == base)
             for r in ours_rows:
-                peak = (f", peak {b['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x lower"
-                        if r["peak_bytes"] is not None and b["peak_bytes"] is not None else "")
-                print(f"  {size:<24} {r['impl']} vs {base}: time x{b['seconds'] / r['seconds']:.2f} (>1: ours faster)"
-                      f"{peak}")
+                peak = (
+                    f", peak {b['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x lower"
+                    if r["peak_bytes"] is not None and b["peak_bytes"] is not None
+                    else ""
+                )
+                print(
+                    f"  {size:<24} {r['impl']} vs {base}: time x{b['seconds'] / r['seconds']:.2f} (>1: ours faster)"
+                    f"{peak}"
+                )
     return rows
 
 
@@ -212,12 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     shapes = sizes(args.device, quick=args.small_only)
     if args.device == "cpu":
         fresh_pages_for_large_allocations()
-    print(f"linear_logprob_entropy fwd+bwd on {args.device}, torch threads {torch.get_num_threads()}, "
-          f"{args.rounds} alternated rounds")
+    print(
+        f"linear_logprob_entropy fwd+bwd on {args.device}, torch threads {torch.get_num_threads()}, "
+        f"{args.rounds} alternated rounds"
+    )
     rows = measure(args.device, shapes, args.rounds)
     if args.out:
-        meta = {"device": args.device, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+        meta = {
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "rounds": args.rounds,
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return 0

@@ -101,11 +101,26 @@ def cases(device: str, quick: bool) -> list[dict]:
         fwd = [(b, ours(b), False) for b in ours_backends]
         fwd += [("sum", lambda x, t: x.sum(-1), True), ("torch-eager", torch_eager, True), ("trl", trl, True)]
         for impl, fn, baseline in fwd:
-            out.append({"op": OP_FWD, "size": size, "impl": impl, "fn": forward_fn(fn, logits, tokens),
-                        "baseline": baseline, "bytes": nbytes})
+            out.append(
+                {
+                    "op": OP_FWD,
+                    "size": size,
+                    "impl": impl,
+                    "fn": forward_fn(fn, logits, tokens),
+                    "baseline": baseline,
+                    "bytes": nbytes,
+                }
+            )
         bwd = [(b, ours(b), False) for b in ours_backends] + [("torch-eager", torch_eager, True), ("trl", trl, True)]
         for impl, fn, baseline in bwd:
-            out.append({"op": OP_FWD_BWD, "size": size, "impl": impl,
-                        "fn": fwd_bwd_fn(fn, logits, tokens, g_logp, g_ent), "baseline": baseline,
-                        "bytes": 3 * nbytes})
+            out.append(
+                {
+                    "op": OP_FWD_BWD,
+                    "size": size,
+                    "impl": impl,
+                    "fn": fwd_bwd_fn(fn, logits, tokens, g_logp, g_ent),
+                    "baseline": baseline,
+                    "bytes": 3 * nbytes,
+                }
+            )
     return out

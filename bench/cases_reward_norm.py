@@ -133,11 +133,35 @@ def cases(device: str, quick: bool) -> list[dict]:
             label = f"{size} S={S}"
             moved = n * r.element_size() + 4 * n + (8 * n if seg is not None else 0)
             for backend in ours:
-                rows.append({"op": OP, "size": label, "impl": backend, "fn": _ours(backend, r, seg, S, device),
-                             "baseline": False, "bytes": moved})
+                rows.append(
+                    {
+                        "op": OP,
+                        "size": label,
+                        "impl": backend,
+                        "fn": _ours(backend, r, seg, S, device),
+                        "baseline": False,
+                        "bytes": moved,
+                    }
+                )
             eager, trl = EagerRewardNorm(S, device), TrlStyleRewardNorm(S)
-            rows.append({"op": OP, "size": label, "impl": "torch-eager", "fn": lambda e=eager, r=r, s=seg: e(r, s),
-                         "baseline": True, "bytes": moved})
-            rows.append({"op": OP, "size": label, "impl": "trl-style", "fn": lambda t=trl, r=r, s=seg: t(r, s),
-                         "baseline": True, "bytes": moved})
+            rows.append(
+                {
+                    "op": OP,
+                    "size": label,
+                    "impl": "torch-eager",
+                    "fn": lambda e=eager, r=r, s=seg: e(r, s),
+                    "baseline": True,
+                    "bytes": moved,
+                }
+            )
+            rows.append(
+                {
+                    "op": OP,
+                    "size": label,
+                    "impl": "trl-style",
+                    "fn": lambda t=trl, r=r, s=seg: t(r, s),
+                    "baseline": True,
+                    "bytes": moved,
+                }
+            )
     return rows

@@ -43,31 +43,40 @@ HYPOTHESES: dict[str, tuple[str, list[str]]] = {
     # (b) the entropy bonus under token-mean aggregation
     "entropy_0": ("(b) no entropy bonus", ["optimizer.options.entropy_coef=0.0"]),
     "entropy_0.2": ("(b) 4x the entropy bonus", ["optimizer.options.entropy_coef=0.2"]),
-    "seq_mean": ("(b) per-row token mean instead of the batch token mean", ["optimizer.options.loss_agg=seq_mean_token_mean"]),
+    "seq_mean": (
+        "(b) per-row token mean instead of the batch token mean",
+        ["optimizer.options.loss_agg=seq_mean_token_mean"],
+    ),
     # (c) the learning rate
     "lr_3e-4": ("(c) lr 3e-4", ["train.lr=0.0003"]),
     "lr_3e-3": ("(c) lr 3e-3", ["train.lr=0.003"]),
     "warmup_cosine": ("(c) 50 warm-up steps, cosine decay", ["train.warmup_steps=50", "train.lr_schedule=cosine"]),
     # (d) the format curriculum: correctness joins late, after the answer digit has collapsed
-    "unlock_early": ("(d) correctness unlocks at format average 0.05",
-                     ["reward.options.layers[1].unlock_at=0.05"]),
+    "unlock_early": ("(d) correctness unlocks at format average 0.05", ["reward.options.layers[1].unlock_at=0.05"]),
     "temperature_1.5": ("(e) sampling temperature 1.5", ["train.temperature=1.5"]),
     # (g) the answer's position and the format layer: the same policy on the same sums, scored differently
-    "correctness_only": ("(g) correctness alone (no format layer, no curriculum), answer in the tag",
-                         ["reward.name=correctness"]),
-    "bare_answer": ("(g) a one-token bare answer scored by correctness (no tag, no format layer)",
-                    BARE_ANSWER),
-    "bare_answer_tagged_prompt": ("(g) the same, the prompt ending in <answer> (the answer read at the tag's position)",
-                                  [*BARE_ANSWER, 'environment.options.prompt="{question} = <answer>"']),
-    "bare_answer_2_tokens": ("(g) the same with 2 new tokens (the answer then a terminator must both be right)",
-                             [*BARE_ANSWER, "train.max_new_tokens=2"]),
+    "correctness_only": (
+        "(g) correctness alone (no format layer, no curriculum), answer in the tag",
+        ["reward.name=correctness"],
+    ),
+    "bare_answer": ("(g) a one-token bare answer scored by correctness (no tag, no format layer)", BARE_ANSWER),
+    "bare_answer_tagged_prompt": (
+        "(g) the same, the prompt ending in <answer> (the answer read at the tag's position)",
+        [*BARE_ANSWER, 'environment.options.prompt="{question} = <answer>"'],
+    ),
+    "bare_answer_2_tokens": (
+        "(g) the same with 2 new tokens (the answer then a terminator must both be right)",
+        [*BARE_ANSWER, "train.max_new_tokens=2"],
+    ),
     # (g) credit: once correctness is unlocked, a row whose format is right carries its advantage on its answer digits
     # only (the tags get 0); rows with a broken format keep it on every token. Done by this script (see instrument).
     "answer_credit": ("(g) advantage on the answer digits only once the format is right", []),
     # (f) the signal per step: more prompts per step (each of the 25 sums seen ~2.5 times a step instead of 0.6)
     "batch_64": ("(f) 64 prompts a step instead of 16", ["train.batch_size=64"]),
-    "batch_64_scale_none": ("(f) 64 prompts a step, no std division",
-                            ["train.batch_size=64", "optimizer.options.scale=none"]),
+    "batch_64_scale_none": (
+        "(f) 64 prompts a step, no std division",
+        ["train.batch_size=64", "optimizer.options.scale=none"],
+    ),
     # (h) the advantages' scale against the entropy bonus: algorithms that normalise their advantages to unit
     # scale (REINFORCE's running normalisation, REINFORCE++'s and PPO's whitening) make the same 0.05 bonus a
     # smaller share of the update (under Adam only the ratio matters)
@@ -133,7 +142,7 @@ def instrument(record: list[dict[str, Any]], probe_every: int, *, answer_credit:
                     odd.append(float(adv[k][r[k] == lone].abs().max()))
             row["near_tied_adv"] = statistics.mean(odd) if odd else None
             rows = [tuple(ids[i][mask[i]].tolist()) for i in range(ids.shape[0])]
-            row["distinct"] = statistics.mean(len(set(rows[k * g:(k + 1) * g])) for k in range(len(rows) // g))
+            row["distinct"] = statistics.mean(len(set(rows[k * g : (k + 1) * g])) for k in range(len(rows) // g))
             if probe_every and step % probe_every == 0:
                 row.update(probe(batch))
             record.append(row)
@@ -157,8 +166,12 @@ def instrument(record: list[dict[str, Any]], probe_every: int, *, answer_credit:
                     handle_box.pop().remove()
             n_pg = float(torch.sqrt(sum((x.float() ** 2).sum() for x in g_pg if x is not None)))
             n_ent = float(torch.sqrt(sum((x.float() ** 2).sum() for x in g_ent if x is not None))) if g_ent else 0.0
-            out = {"g_pg": n_pg, "g_ent": n_ent, "ent_share": n_ent / (n_pg + n_ent) if n_pg + n_ent > 0 else None,
-                   "logits_rms": logits_rms[0] if logits_rms else None}
+            out = {
+                "g_pg": n_pg,
+                "g_ent": n_ent,
+                "ent_share": n_ent / (n_pg + n_ent) if n_pg + n_ent > 0 else None,
+                "logits_rms": logits_rms[0] if logits_rms else None,
+            }
             # entropy at the token after <answer>
             ids = batch.completion_ids
             after_open = torch.zeros_like(batch.completion_mask)

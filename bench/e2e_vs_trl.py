@@ -66,7 +66,9 @@ class Preset:
 
 PRESETS = {
     "tiny17": Preset(vocab=17, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, new_tokens=16),
-    "llama4l": Preset(vocab=32000, hidden=256, layers=4, heads=4, kv_heads=4, intermediate=688, new_tokens=64, difficulty=2),
+    "llama4l": Preset(
+        vocab=32000, hidden=256, layers=4, heads=4, kv_heads=4, intermediate=688, new_tokens=64, difficulty=2
+    ),
     "smollm2": Preset(gguf=True, new_tokens=64, difficulty=2),
 }
 
@@ -116,10 +118,17 @@ def build_random_llama(preset: Preset, folder: Path) -> None:
     tokenizer = char_tokenizer(preset.vocab)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
-        num_hidden_layers=preset.layers, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=preset.vocab,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.intermediate,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(config).eval()
     put_eos_out_of_reach(model, tokenizer.eos_token_id)
@@ -172,17 +181,39 @@ def palestra_config(args: argparse.Namespace, folder: Path, run_dir: Path) -> An
 
     raw = {
         "run": {"name": "e2e_vs_trl", "seed": args.seed, "output_dir": str(run_dir)},
-        "environment": {"name": "arithmetic", "options": {"difficulty": args.difficulty, "terms": 2, "prompt": "{question} ="}},
+        "environment": {
+            "name": "arithmetic",
+            "options": {"difficulty": args.difficulty, "terms": 2, "prompt": "{question} ="},
+        },
         "reward": {"name": "format", "options": {"pattern": REWARD_PATTERN}},
-        "policy": {"name": "hf", "options": {"path": str(folder), "dtype": "float32", "attn_implementation": args.attn,
-                                              "generation_attn_implementation": args.generation_attn}},
-        "optimizer": {"name": "grpo", "options": {"beta": args.beta, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean"}},
+        "policy": {
+            "name": "hf",
+            "options": {
+                "path": str(folder),
+                "dtype": "float32",
+                "attn_implementation": args.attn,
+                "generation_attn_implementation": args.generation_attn,
+            },
+        },
+        "optimizer": {
+            "name": "grpo",
+            "options": {"beta": args.beta, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean"},
+        },
         "generator": {"name": "kv_cache"},
         "loggers": [],
         "train": {
-            "steps": args.steps + 1, "batch_size": args.batch, "group_size": args.group, "lr": args.lr,
-            "max_new_tokens": args.new_tokens, "temperature": 1.0, "top_p": 1.0, "grad_accum": args.grad_accum,
-            "max_grad_norm": 1.0, "weight_decay": 0.0, "device": "cpu", "dtype": "float32",
+            "steps": args.steps + 1,
+            "batch_size": args.batch,
+            "group_size": args.group,
+            "lr": args.lr,
+            "max_new_tokens": args.new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "grad_accum": args.grad_accum,
+            "max_grad_norm": 1.0,
+            "weight_decay": 0.0,
+            "device": "cpu",
+            "dtype": "float32",
             "precision": args.precision,
         },
     }
@@ -227,14 +258,37 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
     dataset = Dataset.from_list(trl_prompts(ours, args, steps_total, chat))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=args.trl_attn)
     config = GRPOConfig(
-        output_dir=str(work / "trl"), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_strategy="steps", logging_steps=1, seed=args.seed, max_steps=steps_total,
-        per_device_train_batch_size=rows // args.grad_accum, gradient_accumulation_steps=args.grad_accum,
-        generation_batch_size=rows, num_generations=args.group, bf16=args.precision == "bf16",
-        max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=args.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        dataloader_num_workers=0, log_completions=False, shuffle_dataset=False,
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_strategy="steps",
+        logging_steps=1,
+        seed=args.seed,
+        max_steps=steps_total,
+        per_device_train_batch_size=rows // args.grad_accum,
+        gradient_accumulation_steps=args.grad_accum,
+        generation_batch_size=rows,
+        num_generations=args.group,
+        bf16=args.precision == "bf16",
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=args.beta,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        dataloader_num_workers=0,
+        log_completions=False,
+        shuffle_dataset=False,
     )
 
     timings: dict[str, list[float]] = {"palestra": [], "trl": []}
@@ -257,8 +311,11 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
             timings["palestra"].append(time.perf_counter() - started)
             lengths["palestra"].append(metrics["response/length"])
             breakdown.append({k: v for k, v in metrics.items() if k.startswith("perf/")})
-            print(f"  step {len(timings['trl'])}/{steps_total}: trl {timings['trl'][-1]:.3f}s  "
-                  f"palestra {timings['palestra'][-1]:.3f}s", file=sys.stderr)
+            print(
+                f"  step {len(timings['trl'])}/{steps_total}: trl {timings['trl'][-1]:.3f}s  "
+                f"palestra {timings['palestra'][-1]:.3f}s",
+                file=sys.stderr,
+            )
             Alternate.mark = time.perf_counter()
 
         def on_log(self, *_: Any, logs: dict[str, float] | None = None, **__: Any) -> None:
@@ -266,16 +323,24 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
                 lengths["trl"].append(float(logs["completions/mean_length"]))
 
     trl = GRPOTrainer(
-        model=model, reward_funcs=reward_starts_with_digit, args=config, train_dataset=dataset,
-        processing_class=tokenizer, callbacks=[Alternate()],
+        model=model,
+        reward_funcs=reward_starts_with_digit,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Alternate()],
     )
     trl.remove_callback(PrinterCallback)  # TRL's per-step log dicts: the table below says what matters
     trl.train()
     return summarise(args, timings, lengths, breakdown)
 
 
-def summarise(args: argparse.Namespace, timings: dict[str, list[float]], lengths: dict[str, list[float]],
-              breakdown: list[dict[str, float]]) -> dict[str, Any]:
+def summarise(
+    args: argparse.Namespace,
+    timings: dict[str, list[float]],
+    lengths: dict[str, list[float]],
+    breakdown: list[dict[str, float]],
+) -> dict[str, Any]:
     rows = args.batch * args.group
     out: dict[str, Any] = {}
     for side in ("palestra", "trl"):
@@ -295,27 +360,37 @@ def summarise(args: argparse.Namespace, timings: dict[str, list[float]], lengths
     pairs = [t / p for t, p in zip(timings["trl"][1:], timings["palestra"][1:])]
     out["ratio_step_pairs_median"] = statistics.median(pairs)
     keys = list(breakdown[-1]) if breakdown else []
-    out["palestra"]["breakdown_median"] = {k: statistics.median(b[k] for b in breakdown[1:] if k in b) for k in keys
-                                           if len(breakdown) > 1}
+    out["palestra"]["breakdown_median"] = {
+        k: statistics.median(b[k] for b in breakdown[1:] if k in b) for k in keys if len(breakdown) > 1
+    }
     return out
 
 
 def format_table(args: argparse.Namespace, result: dict[str, Any]) -> str:
     head = f"{'':<10} {'s/step':>9} {'completions/s':>14} {'tokens/s':>10} {'mean length':>12}"
-    lines = [f"{args.model}: {args.batch} prompts x {args.group} completions x {args.new_tokens} new tokens, "
-             f"beta={args.beta}, lr={args.lr}, {args.threads} threads, {args.precision}, {args.attn} attention "
-             f"(Palestra sampling: {args.generation_attn or args.attn}; TRL: {args.trl_attn}), "
-             f"{args.grad_accum} micro-batch(es), {args.steps} measured steps (median)", head]
+    lines = [
+        f"{args.model}: {args.batch} prompts x {args.group} completions x {args.new_tokens} new tokens, "
+        f"beta={args.beta}, lr={args.lr}, {args.threads} threads, {args.precision}, {args.attn} attention "
+        f"(Palestra sampling: {args.generation_attn or args.attn}; TRL: {args.trl_attn}), "
+        f"{args.grad_accum} micro-batch(es), {args.steps} measured steps (median)",
+        head,
+    ]
     for side in ("palestra", "trl"):
         r = result[side]
-        lines.append(f"{side:<10} {r['step_s_median']:>9.3f} {r['completions_per_s']:>14.2f} {r['tokens_per_s']:>10.1f} "
-                     f"{r['mean_completion_length']:>12.1f}")
-    lines.append(f"{'ratio':<10} {'':>9} {result['ratio_completions_per_s']:>13.2f}x {result['ratio_tokens_per_s']:>9.2f}x"
-                 f"   (median of step pairs: {result['ratio_step_pairs_median']:.2f}x)")
+        lines.append(
+            f"{side:<10} {r['step_s_median']:>9.3f} {r['completions_per_s']:>14.2f} {r['tokens_per_s']:>10.1f} "
+            f"{r['mean_completion_length']:>12.1f}"
+        )
+    lines.append(
+        f"{'ratio':<10} {'':>9} {result['ratio_completions_per_s']:>13.2f}x {result['ratio_tokens_per_s']:>9.2f}x"
+        f"   (median of step pairs: {result['ratio_step_pairs_median']:.2f}x)"
+    )
     parts = result["palestra"].get("breakdown_median") or {}
     if parts:
-        lines.append("palestra step: " + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}" for k, v in parts.items()
-                                                   if k.endswith("_s")))
+        lines.append(
+            "palestra step: "
+            + ", ".join(f"{k.removeprefix('perf/')} {v:.3f}" for k, v in parts.items() if k.endswith("_s"))
+        )
     return "\n".join(lines)
 
 
@@ -330,20 +405,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient to the frozen reference (> 0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: the CPU count)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: mixed precision on both sides (TRL bf16=True, Palestra train.precision=bf16)")
-    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
-                   help="transformers' attention implementation, for both sides' model")
-    p.add_argument("--generation-attn", choices=("sdpa", "eager"), default=None,
-                   help="Palestra's attention while sampling (policy.options.generation_attn_implementation; "
-                        "default: --attn). TRL's generate has no such switch")
-    p.add_argument("--trl-attn", choices=("sdpa", "eager"), default=None,
-                   help="TRL's attention, for its generation and training (default: --attn)")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per step on both sides (TRL gradient_accumulation_steps, Palestra "
-                        "train.grad_accum); the rows of a step must divide evenly")
-    p.add_argument("--cache", default=str(Path.home() / ".cache" / "palestra" / "bench-models"),
-                   help="where the built model folders are kept")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: mixed precision on both sides (TRL bf16=True, Palestra train.precision=bf16)",
+    )
+    p.add_argument(
+        "--attn",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="transformers' attention implementation, for both sides' model",
+    )
+    p.add_argument(
+        "--generation-attn",
+        choices=("sdpa", "eager"),
+        default=None,
+        help="Palestra's attention while sampling (policy.options.generation_attn_implementation; "
+        "default: --attn). TRL's generate has no such switch",
+    )
+    p.add_argument(
+        "--trl-attn",
+        choices=("sdpa", "eager"),
+        default=None,
+        help="TRL's attention, for its generation and training (default: --attn)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per step on both sides (TRL gradient_accumulation_steps, Palestra "
+        "train.grad_accum); the rows of a step must divide evenly",
+    )
+    p.add_argument(
+        "--cache",
+        default=str(Path.home() / ".cache" / "palestra" / "bench-models"),
+        help="where the built model folders are kept",
+    )
     p.add_argument("--out", default=None, help="write the result to this JSON file")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -370,12 +468,25 @@ def main(argv: list[str] | None = None) -> int:
         import trl
 
         meta = {
-            "model": args.model, "batch": args.batch, "group": args.group, "new_tokens": args.new_tokens,
-            "lr": args.lr, "beta": args.beta, "threads": args.threads, "steps": args.steps, "seed": args.seed,
-            "precision": args.precision, "attn": args.attn, "grad_accum": args.grad_accum,
-            "generation_attn": args.generation_attn or args.attn, "trl_attn": args.trl_attn,
-            "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "model": args.model,
+            "batch": args.batch,
+            "group": args.group,
+            "new_tokens": args.new_tokens,
+            "lr": args.lr,
+            "beta": args.beta,
+            "threads": args.threads,
+            "steps": args.steps,
+            "seed": args.seed,
+            "precision": args.precision,
+            "attn": args.attn,
+            "grad_accum": args.grad_accum,
+            "generation_attn": args.generation_attn or args.attn,
+            "trl_attn": args.trl_attn,
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
         path = Path(args.out)
@@ -384,8 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         # one entry per preset and set-up: several runs share the file
         gen_attn = args.generation_attn or args.attn
         setup = (args.precision, args.attn, gen_attn, args.trl_attn, args.grad_accum)
-        key = args.model if setup == ("fp32", "sdpa", "sdpa", "sdpa", 1) else \
-            f"{args.model}/{args.precision}-{args.attn}-gen{gen_attn}-trl{args.trl_attn}-accum{args.grad_accum}"
+        key = (
+            args.model
+            if setup == ("fp32", "sdpa", "sdpa", "sdpa", 1)
+            else f"{args.model}/{args.precision}-{args.attn}-gen{gen_attn}-trl{args.trl_attn}-accum{args.grad_accum}"
+        )
         existing[key] = {"meta": meta, **result}
         path.write_text(json.dumps(existing, indent=2))
         print(f"written to {args.out}", file=sys.stderr)

@@ -105,7 +105,7 @@ def check_backend(backend: str, device: str, small: bool) -> list[str]:
     try:
         # logprob_entropy: V not a power of two, one row, fully masked rows, bf16, temperature
         shapes = [(5, 257), (1, 1000), (3, 50)] if small else [(64, 32000), (1, 151936), (257, 4097), (8, 1000)]
-        for (N, V) in shapes:
+        for N, V in shapes:
             for dtype in (torch.float32, torch.bfloat16):
                 logits = (randn(N, V) * 3).to(dtype).requires_grad_(True)
                 tokens = torch.randint(0, V, (N,), generator=g).to(device)
@@ -126,7 +126,7 @@ def check_backend(backend: str, device: str, small: bool) -> list[str]:
                 if bool((logp > 0).any()):
                     failures.append(f"logprob_entropy logp > 0 {N}x{V} {dtype}")
         # gae with padding on either side and gaps; T=1 and B=1 included
-        for (B, T) in ([(3, 7), (1, 1), (2, 33)] if small else [(256, 1024), (1, 1), (7, 4099)]):
+        for B, T in [(3, 7), (1, 1), (2, 33)] if small else [(256, 1024), (1, 1), (7, 4099)]:
             r, v = randn(B, T), randn(B, T)
             mask = torch.rand(B, T, generator=g).to(device) > 0.2
             mask[0] = False  # a fully masked row
@@ -135,17 +135,31 @@ def check_backend(backend: str, device: str, small: bool) -> list[str]:
             radv, rret = ref_gae(r, v, mask, 0.99, 0.95, boot)
             _close(f"gae advantages {B}x{T}", adv, radv, 1e-5, 1e-4, failures)
             _close(f"gae returns {B}x{T}", ret, rret, 1e-5, 1e-4, failures)
-        for (G, n) in ([(3, 4), (1, 2)] if small else [(4096, 16), (1, 2), (1000, 7)]):
+        for G, n in [(3, 4), (1, 2)] if small else [(4096, 16), (1, 2), (1000, 7)]:
             r = randn(G * n) * 2 + 1
             for scale in ("group", "batch", "none"):
-                _close(f"group_advantages {G}x{n} {scale}", K.group_advantages(r, n, scale=scale), ref_group(r, n, scale), 1e-4, 1e-4, failures)
+                _close(
+                    f"group_advantages {G}x{n} {scale}",
+                    K.group_advantages(r, n, scale=scale),
+                    ref_group(r, n, scale),
+                    1e-4,
+                    1e-4,
+                    failures,
+                )
             _close(f"rloo_advantages {G}x{n}", K.rloo_advantages(r, n), ref_rloo(r, n), 1e-5, 1e-5, failures)
-        for N, S in ([(10, 1), (7, 3)] if small else [(1 << 20, 1), (1_000_003, 5)]):
+        for N, S in [(10, 1), (7, 3)] if small else [(1 << 20, 1), (1_000_003, 5)]:
             r = randn(N) * 2 + 3
             seg = torch.randint(0, S, (N,), generator=g).to(device)
             state = K.RunningMoments(num_segments=S, device=device)
             out = K.normalize_rewards(r, state, segment_ids=seg if S > 1 else None, clip=5.0)
-            _close(f"normalize_rewards {N} segments={S}", out, ref_normalize(r, seg if S > 1 else torch.zeros_like(seg), S, 5.0), 1e-4, 1e-4, failures)
+            _close(
+                f"normalize_rewards {N} segments={S}",
+                out,
+                ref_normalize(r, seg if S > 1 else torch.zeros_like(seg), S, 5.0),
+                1e-4,
+                1e-4,
+                failures,
+            )
     except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported with its reason, and the run goes on
         traceback.print_exc()
         failures.append(f"{backend}: crashed: {type(e).__name__}: {e}".splitlines()[0])
@@ -178,7 +192,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backends", default=None, help="default: cuda,triton on a GPU; cpp,triton on a CPU")
-    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    p.add_argument(
+        "--out", default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None
+    )
     p.add_argument("--no-timing", action="store_true")
     args = p.parse_args(argv)
     device = args.device
@@ -221,15 +237,25 @@ def main(argv=None) -> int:
                 continue
             gbps = case.get("bytes", 0) / seconds / 1e9 if case.get("bytes") else math.nan
             frac = (case.get("bytes", 0) / seconds) / bw if case.get("bytes") else math.nan
-            rows.append({**{k: case[k] for k in ("op", "size", "impl")}, "seconds": seconds, "gbps": gbps, "of_copy_bw": frac})
-            print(f"    {case['op']:<22} {case['size']:<22} {case['impl']:<16} {seconds * 1e3:9.3f} ms "
-                  f"{gbps:8.1f} GB/s {frac * 100:6.1f}% of copy")
+            rows.append(
+                {**{k: case[k] for k in ("op", "size", "impl")}, "seconds": seconds, "gbps": gbps, "of_copy_bw": frac}
+            )
+            print(
+                f"    {case['op']:<22} {case['size']:<22} {case['impl']:<16} {seconds * 1e3:9.3f} ms "
+                f"{gbps:8.1f} GB/s {frac * 100:6.1f}% of copy"
+            )
 
     bad = sum(len(f) for f in failures.values()) + sum(1 for b in builds.values() if b.startswith("FAILED"))
     print(f"gpu_check: {bad} failure(s)" + "".join(f"\n  {b}: {', '.join(f)}" for b, f in failures.items() if f))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"info": info, "builds": builds, "failures": failures, "copy_bw": bw, "rows": rows}, indent=2, default=str))
+        Path(args.out).write_text(
+            json.dumps(
+                {"info": info, "builds": builds, "failures": failures, "copy_bw": bw, "rows": rows},
+                indent=2,
+                default=str,
+            )
+        )
         print(f"  written to {args.out}")
     return 1 if bad else 0
 

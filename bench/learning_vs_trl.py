@@ -57,13 +57,22 @@ def build_model(folder: Path, *, hidden: int, layers: int, seed: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -81,15 +90,30 @@ def run_palestra(args: argparse.Namespace, folder: Path, seed: int, work: Path, 
     from palestra.engine.trainer import Trainer
 
     # examples/grpo.yaml's optimiser and train settings, with the comparison's model, reward, batch and steps
-    config = load_config(ROOT / "examples" / "grpo.yaml", [
-        f"run.seed={seed}", f"run.output_dir={work}", "loggers=[]",
-        f"environment.options={json.dumps(environment_options(args))}",
-        "reward.name=correctness", "reward.options.tag=null",
-        "policy.name=hf", f"policy.options.path={folder}", "policy.options.dtype=float32",
-        f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.group_size={args.group}",
-        f"train.lr={args.lr}", f"train.max_new_tokens={args.new_tokens}", "train.temperature=1.0",
-        "train.device=cpu", "train.eval_size=16", *args.palestra_set, *variant,
-    ])
+    config = load_config(
+        ROOT / "examples" / "grpo.yaml",
+        [
+            f"run.seed={seed}",
+            f"run.output_dir={work}",
+            "loggers=[]",
+            f"environment.options={json.dumps(environment_options(args))}",
+            "reward.name=correctness",
+            "reward.options.tag=null",
+            "policy.name=hf",
+            f"policy.options.path={folder}",
+            "policy.options.dtype=float32",
+            f"train.steps={args.steps}",
+            f"train.batch_size={args.batch}",
+            f"train.group_size={args.group}",
+            f"train.lr={args.lr}",
+            f"train.max_new_tokens={args.new_tokens}",
+            "train.temperature=1.0",
+            "train.device=cpu",
+            "train.eval_size=16",
+            *args.palestra_set,
+            *variant,
+        ],
+    )
     torch.set_num_threads(1)
     trainer = Trainer(config, run_dir=work / "palestra")
     return [trainer.step()["reward/mean"] for _ in range(args.steps)]
@@ -126,24 +150,50 @@ def run_trl(args: argparse.Namespace, folder: Path, seed: int, work: Path) -> li
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     config = GRPOConfig(
-        output_dir=str(work / "trl"), use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-        logging_strategy="steps", logging_steps=1, seed=seed, max_steps=args.steps,
-        per_device_train_batch_size=args.batch * args.group, gradient_accumulation_steps=1,
-        num_generations=args.group, max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=0.0, epsilon=0.2, scale_rewards=args.trl_scale, num_iterations=1, dataloader_num_workers=0,
-        log_completions=False, shuffle_dataset=False,
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_strategy="steps",
+        logging_steps=1,
+        seed=seed,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch * args.group,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        scale_rewards=args.trl_scale,
+        num_iterations=1,
+        dataloader_num_workers=0,
+        log_completions=False,
+        shuffle_dataset=False,
     )
-    trl = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=dataset,
-                      processing_class=tokenizer, callbacks=[Record()])
+    trl = GRPOTrainer(
+        model=model,
+        reward_funcs=exact_answer,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Record()],
+    )
     trl.remove_callback(PrinterCallback)
     trl.train()
     return rewards
 
 
-
 def moving_average(xs: list[float], k: int) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+    return [statistics.fmean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--palestra-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for Palestra's side")
     p.add_argument("--trl-scale", default="group", choices=["group", "batch", "none"], help="TRL's scale_rewards")
     p.add_argument("--sides", nargs="+", default=["palestra", "trl"], choices=["palestra", "trl"])
-    p.add_argument("--variant", nargs="+", action="append", default=None, metavar="LABEL [KEY=VALUE ...]",
-                   help="a labelled Palestra setting (repeatable); default: one, 'palestra', with --palestra-set only")
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=None,
+        metavar="LABEL [KEY=VALUE ...]",
+        help="a labelled Palestra setting (repeatable); default: one, 'palestra', with --palestra-set only",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -170,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens is None:
         args.new_tokens = digits
     elif args.new_tokens < digits:
-        p.error(f"--new-tokens {args.new_tokens}: the largest sum, {2 * args.max_operand}, needs {digits} tokens; "
-                f"with fewer, the answers of {digits} digits can never be right and the reward has a ceiling below 1")
+        p.error(
+            f"--new-tokens {args.new_tokens}: the largest sum, {2 * args.max_operand}, needs {digits} tokens; "
+            f"with fewer, the answers of {digits} digits can never be right and the reward has a ceiling below 1"
+        )
     variants = {v[0]: v[1:] for v in args.variant} if args.variant else {"palestra": []}
 
     import torch
@@ -193,12 +251,22 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     curve = run_palestra(args, folder, seed, work / f"{label}{seed}", overrides)
                 seconds = time.perf_counter() - started
-                last = statistics.fmean(curve[-args.window:])
-                results["runs"].append({"side": label, "seed": seed, "last_mean": last, "seconds": seconds,
-                                        "overrides": overrides, "curve": curve})
-                print(f"{label:<14} seed {seed}: mean reward over the last {args.window} of {len(curve)} steps "
-                      f"{last:.3f} (first {args.window}: {statistics.fmean(curve[:args.window]):.3f}); {seconds:.0f} s",
-                      flush=True)
+                last = statistics.fmean(curve[-args.window :])
+                results["runs"].append(
+                    {
+                        "side": label,
+                        "seed": seed,
+                        "last_mean": last,
+                        "seconds": seconds,
+                        "overrides": overrides,
+                        "curve": curve,
+                    }
+                )
+                print(
+                    f"{label:<14} seed {seed}: mean reward over the last {args.window} of {len(curve)} steps "
+                    f"{last:.3f} (first {args.window}: {statistics.fmean(curve[: args.window]):.3f}); {seconds:.0f} s",
+                    flush=True,
+                )
     by = {label: [r["last_mean"] for r in results["runs"] if r["side"] == label] for label, _ in runs}
     if "trl" in by and len(by) > 1:
         trl_mean = statistics.fmean(by["trl"])
@@ -210,14 +278,20 @@ def main(argv: list[str] | None = None) -> int:
             if label != "trl":
                 results["ratios"][label] = ratio
             secs = statistics.fmean(r["seconds"] for r in results["runs"] if r["side"] == label)
-            print(f"| {label} | {' / '.join(f'{x:.3f}' for x in lasts)} | {statistics.fmean(lasts):.3f} | "
-                  f"{ratio:.2f}x | {secs:.0f} |")
+            print(
+                f"| {label} | {' / '.join(f'{x:.3f}' for x in lasts)} | {statistics.fmean(lasts):.3f} | "
+                f"{ratio:.2f}x | {secs:.0f} |"
+            )
     import transformers
     import trl
 
     results["meta"] = {
-        **{k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": trl.__version__, "cpu": platform.machine(), "threads": 1,
+        **{k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "cpu": platform.machine(),
+        "threads": 1,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     if args.out is not None:
@@ -242,8 +316,13 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labelled: set[str] = set()
     for r in runs:
-        ax.plot(moving_average(r["curve"], 20), color=colours[r["side"]], alpha=0.8, linewidth=1,
-                label=None if r["side"] in labelled else r["side"])  # one legend entry per side
+        ax.plot(
+            moving_average(r["curve"], 20),
+            color=colours[r["side"]],
+            alpha=0.8,
+            linewidth=1,
+            label=None if r["side"] in labelled else r["side"],
+        )  # one legend entry per side
         labelled.add(r["side"])
     ax.set_xlabel("step")
     ax.set_ylabel("training reward (moving average of 20)")

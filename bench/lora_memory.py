@@ -63,14 +63,21 @@ def measure(lora: dict[str, Any] | None, steps: int) -> dict[str, Any]:
     from palestra.engine.trainer import Trainer
 
     started = time.perf_counter()
-    trainer = Trainer(validate_config(config(lora, steps)), run_dir=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-memory")
+    trainer = Trainer(
+        validate_config(config(lora, steps)), run_dir=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-memory"
+    )
     for _ in range(steps):
         trainer.step()
     policy, reference = trainer.policy, trainer.reference
     params = storages([*policy.parameters(), *policy.buffers()])
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimiser = storages(t for opt in trainer.learner.optimizers.values() for state in opt.state.values()
-                         for t in state.values() if isinstance(t, torch.Tensor))
+    optimiser = storages(
+        t
+        for opt in trainer.learner.optimizers.values()
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
     ref = storages([*reference.parameters(), *reference.buffers()]) if reference is not None else {}
     figures = {
         "parameters": sum(params.values()),
@@ -94,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1, help="training steps before counting (default 1)")
     parser.add_argument("--r", type=int, default=8, help="LoRA rank (default 8)")
-    parser.add_argument("--targets", default="q_proj,v_proj", help="LoRA target modules, comma separated, or all-linear")
+    parser.add_argument(
+        "--targets", default="q_proj,v_proj", help="LoRA target modules, comma separated, or all-linear"
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
     parser.add_argument("--worker", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -107,23 +116,37 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     results = {}
     for variant in ("full", "lora"):
-        cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps), "--r", str(args.r),
-               "--targets", args.targets]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            variant,
+            "--steps",
+            str(args.steps),
+            "--r",
+            str(args.r),
+            "--targets",
+            args.targets,
+        ]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
             return done.returncode
         results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
     full, small = results["full"], results["lora"]
-    print(f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32), {args.steps} GRPO step(s) with a KL reference; "
-          f"LoRA r={args.r} on {args.targets}")
+    print(
+        f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32), {args.steps} GRPO step(s) with a KL reference; "
+        f"LoRA r={args.r} on {args.targets}"
+    )
     print(f"{'MiB':<22}{'full + ref copy':>16}{'LoRA':>12}")
     for key in ("parameters", "gradients", "optimiser", "reference", "total", "peak_rss"):
         print(f"{key:<22}{mib(full[key]):>16}{mib(small[key]):>12}")
     print(f"trainable parameters: {full['trainable_parameters']:,} vs {small['trainable_parameters']:,}")
     saved = full["total"] - small["total"]
-    print(f"saved: {saved / 2**20:.1f} MiB of parameters + gradients + AdamW state + reference "
-          f"({saved / full['total']:.0%}); peak RSS {full['peak_rss'] / 2**20:.0f} -> {small['peak_rss'] / 2**20:.0f} MiB")
+    print(
+        f"saved: {saved / 2**20:.1f} MiB of parameters + gradients + AdamW state + reference "
+        f"({saved / full['total']:.0%}); peak RSS {full['peak_rss'] / 2**20:.0f} -> {small['peak_rss'] / 2**20:.0f} MiB"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **results}, indent=2) + "\n")
     return 0

@@ -41,7 +41,15 @@ from palestra.plugins.optimizers.mappo.per_agent import (
 )
 from palestra.rl import clipped_surrogate, value_loss
 
-__all__ = ["MAPPOConfig", "MAPPOTrainer", "ParallelEnvAdapter", "StepResult", "main", "make_simple_spread", "random_policy_return"]
+__all__ = [
+    "MAPPOConfig",
+    "MAPPOTrainer",
+    "ParallelEnvAdapter",
+    "StepResult",
+    "main",
+    "make_simple_spread",
+    "random_policy_return",
+]
 
 EVAL_SEED = 777_000  # evaluation episodes are seeded apart from every training run
 
@@ -102,7 +110,9 @@ class ParallelEnvAdapter:
                 state = "env"
             except (NotImplementedError, AttributeError):
                 if state == "env":
-                    raise ValueError(f"ParallelEnvAdapter: state='env' but {type(env).__name__} has no state()") from None
+                    raise ValueError(
+                        f"ParallelEnvAdapter: state='env' but {type(env).__name__} has no state()"
+                    ) from None
                 state = "concat"
         self.state_mode = state
         self._alive = np.zeros((n_envs, self.n_agents), dtype=bool)
@@ -155,9 +165,12 @@ class ParallelEnvAdapter:
             self._alive[i] = [a in env.agents for a in self.agents]
             self._write(i, obs)
         return StepResult(
-            obs=torch.from_numpy(self._obs.copy()), state=torch.from_numpy(self._state.copy()),
-            rewards=torch.from_numpy(rewards), terminated=torch.from_numpy(term & active),
-            truncated=torch.from_numpy(trunc & active), active=torch.from_numpy(active),
+            obs=torch.from_numpy(self._obs.copy()),
+            state=torch.from_numpy(self._state.copy()),
+            rewards=torch.from_numpy(rewards),
+            terminated=torch.from_numpy(term & active),
+            truncated=torch.from_numpy(trunc & active),
+            active=torch.from_numpy(active),
         )
 
     @property
@@ -275,8 +288,14 @@ class MAPPOTrainer:
         mask = data["mask"].reshape(B, T)
         old_values = data["values"].reshape(B, T)
         adv, returns = per_agent_gae(
-            data["rewards"].reshape(B, T), old_values, mask, agent, cfg.gamma, cfg.lam,
-            bootstrap_value=data["bootstrap"].reshape(B), value_normalizer=self.vn,
+            data["rewards"].reshape(B, T),
+            old_values,
+            mask,
+            agent,
+            cfg.gamma,
+            cfg.lam,
+            bootstrap_value=data["bootstrap"].reshape(B),
+            value_normalizer=self.vn,
         )
         self.vn.update(returns, agent, mask)
         target = self.vn.normalize(returns, agent)
@@ -301,7 +320,9 @@ class MAPPOTrainer:
                 ent = (entropy * m).sum() / n
                 actor_loss = pg.sum() / n - cfg.entropy_coef * ent
                 values = self.critic(critic_x[idx])[..., 0]
-                vl, vm = value_loss(values, old_values[idx], target[idx], m, clip=cfg.value_clip, huber_delta=cfg.huber_delta)
+                vl, vm = value_loss(
+                    values, old_values[idx], target[idx], m, clip=cfg.value_clip, huber_delta=cfg.huber_delta
+                )
                 critic_loss = vl.sum() / n
                 self.actor_opt.zero_grad(set_to_none=True)
                 self.critic_opt.zero_grad(set_to_none=True)
@@ -311,7 +332,13 @@ class MAPPOTrainer:
                 )
                 self.actor_opt.step()
                 self.critic_opt.step()
-                for k, v in {**pm, **vm, "entropy": ent.detach(), "grad_norm/actor": norms["actor"], "grad_norm/critic": norms["critic"]}.items():
+                for k, v in {
+                    **pm,
+                    **vm,
+                    "entropy": ent.detach(),
+                    "grad_norm/actor": norms["actor"],
+                    "grad_norm/critic": norms["critic"],
+                }.items():
                     stats.setdefault(k, []).append(float(v))
         return {k: float(np.mean(v)) for k, v in stats.items()}
 
@@ -336,13 +363,16 @@ class MAPPOTrainer:
             metrics = self.update(data)
             self.curve.append((self.env_steps, ret))
             if log is not None and len(self.curve) % 20 == 0:
-                log(f"{self.cfg.critic:>7} steps {self.env_steps:>7} return {ret:8.2f} "
-                    f"entropy {metrics['entropy']:.3f} kl {metrics['approx_kl']:.4f} clip {metrics['clip_frac']:.3f}")
+                log(
+                    f"{self.cfg.critic:>7} steps {self.env_steps:>7} return {ret:8.2f} "
+                    f"entropy {metrics['entropy']:.3f} kl {metrics['approx_kl']:.4f} clip {metrics['clip_frac']:.3f}"
+                )
         return self.curve
 
 
-def evaluate(make_env, act: Callable[[torch.Tensor], torch.Tensor], episodes: int, n_envs: int = 16,
-             seed: int = EVAL_SEED) -> list[float]:
+def evaluate(
+    make_env, act: Callable[[torch.Tensor], torch.Tensor], episodes: int, n_envs: int = 16, seed: int = EVAL_SEED
+) -> list[float]:
     """Agent episode returns (mean over agents) of ``act(obs [E, A, obs_dim]) -> actions [E, A]`` over ``episodes``.
 
     Env ``i`` is seeded ``seed + i`` and its episodes follow its own stream, so two policies evaluated with the
@@ -410,7 +440,9 @@ def run(kind: str, steps: int, seed: int, eval_episodes: int = 0, log=print, **o
     adapter.close()
     greedy = trainer.evaluate(eval_episodes, greedy=True) if eval_episodes else []
     sampled = trainer.evaluate(eval_episodes, greedy=False) if eval_episodes else []
-    return RunResult(kind, trainer.env_steps, wall, cpu, final_return(curve), greedy, sampled, [list(p) for p in curve], asdict(cfg))
+    return RunResult(
+        kind, trainer.env_steps, wall, cpu, final_return(curve), greedy, sampled, [list(p) for p in curve], asdict(cfg)
+    )
 
 
 def smooth(y: Sequence[float], k: int) -> np.ndarray:
@@ -431,11 +463,20 @@ def plot(results: Sequence[RunResult], random_mean: float, path: Path, title: st
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for r in results:
         x = [p[0] for p in r.curve]
-        (line,) = ax.plot(x, smooth([p[1] for p in r.curve], 10), label=f"{r.name.upper()} training episodes (smoothed)")
+        (line,) = ax.plot(
+            x, smooth([p[1] for p in r.curve], 10), label=f"{r.name.upper()} training episodes (smoothed)"
+        )
         if r.eval_greedy:
             m, se = mean_se(r.eval_greedy)
-            ax.errorbar([x[-1]], [m], yerr=[2 * se], fmt="o", color=line.get_color(), capsize=4,
-                        label=f"{r.name.upper()} greedy eval {m:.1f} (±2 s.e.)")
+            ax.errorbar(
+                [x[-1]],
+                [m],
+                yerr=[2 * se],
+                fmt="o",
+                color=line.get_color(),
+                capsize=4,
+                label=f"{r.name.upper()} greedy eval {m:.1f} (±2 s.e.)",
+            )
     ax.axhline(random_mean, color="grey", ls="--", label=f"random policy {random_mean:.1f}")
     ax.set_xlabel("environment steps")
     ax.set_ylabel("agent episode return (mean of 3 agents)")
@@ -471,12 +512,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
         g_mean, g_se = mean_se(r.eval_greedy)
         s_mean, s_se = mean_se(r.eval_sampled)
         gain, gain_se = mean_se(np.asarray(r.eval_greedy) - np.asarray(rand))  # paired: same start configurations
-        runs[r.name] = {"env_steps": r.env_steps, "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1), "final_training_return": r.final_return,
-                        "eval_greedy": {"mean": g_mean, "stderr": g_se}, "eval_sampled": {"mean": s_mean, "stderr": s_se},
-                        "greedy_gain_over_random": {"mean": gain, "stderr": gain_se}, "config": r.config, "curve": r.curve}
-        print(f"{r.name}: {r.env_steps} env steps in {r.wall_s:.0f} s wall, {r.cpu_s:.0f} s CPU; "
-              f"training return {r.final_return:.2f}; eval greedy {g_mean:.2f} +- {g_se:.2f}, "
-              f"sampled {s_mean:.2f} +- {s_se:.2f}; gain over random {gain:+.2f} +- {gain_se:.2f} (paired)")
+        runs[r.name] = {
+            "env_steps": r.env_steps,
+            "wall_s": round(r.wall_s, 1),
+            "cpu_s": round(r.cpu_s, 1),
+            "final_training_return": r.final_return,
+            "eval_greedy": {"mean": g_mean, "stderr": g_se},
+            "eval_sampled": {"mean": s_mean, "stderr": s_se},
+            "greedy_gain_over_random": {"mean": gain, "stderr": gain_se},
+            "config": r.config,
+            "curve": r.curve,
+        }
+        print(
+            f"{r.name}: {r.env_steps} env steps in {r.wall_s:.0f} s wall, {r.cpu_s:.0f} s CPU; "
+            f"training return {r.final_return:.2f}; eval greedy {g_mean:.2f} +- {g_se:.2f}, "
+            f"sampled {s_mean:.2f} +- {s_se:.2f}; gain over random {gain:+.2f} +- {gain_se:.2f} (paired)"
+        )
     summary = {
         "env": "mpe2.simple_spread_v3(N=3, max_cycles=25, continuous_actions=False, local_ratio=0.5)",
         "metric": "agent episode return (sum of one agent's rewards over the episode, mean over agents)",
@@ -489,10 +540,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "total_cpu_s": round(time.process_time() - c0, 1),
     }
     (args.out / "simple_spread.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(results, rand_mean, args.out / "simple_spread.png",
-         f"MPE2 simple_spread_v3 (N=3), seed {args.seed}, {args.threads} CPU thread(s)")
-    print(f"wrote {args.out / 'simple_spread.json'} and {args.out / 'simple_spread.png'} "
-          f"in {summary['total_wall_s']:.0f} s")
+    plot(
+        results,
+        rand_mean,
+        args.out / "simple_spread.png",
+        f"MPE2 simple_spread_v3 (N=3), seed {args.seed}, {args.threads} CPU thread(s)",
+    )
+    print(
+        f"wrote {args.out / 'simple_spread.json'} and {args.out / 'simple_spread.png'} "
+        f"in {summary['total_wall_s']:.0f} s"
+    )
     return summary
 
 

@@ -28,16 +28,28 @@ VARIANTS: dict[str, list[str]] = {
     "c4r32": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=32"],
     "c4r128": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=128"],
     "c8r64": ["optimizer.options.replay_capacity=8", "optimizer.options.replay_rows=64"],
-    "c4r128_is2": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=128",
-                   "optimizer.options.replay_is_clip=2.0"],
+    "c4r128_is2": [
+        "optimizer.options.replay_capacity=4",
+        "optimizer.options.replay_rows=128",
+        "optimizer.options.replay_is_clip=2.0",
+    ],
     # the GRPO family: only rows with a non-zero advantage are kept (replay_informative_only)
-    "c4r128i": ["optimizer.options.replay_capacity=4", "optimizer.options.replay_rows=128",
-                "optimizer.options.replay_informative_only=true"],
-    "c16r128i": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=128",
-                 "optimizer.options.replay_informative_only=true"],
+    "c4r128i": [
+        "optimizer.options.replay_capacity=4",
+        "optimizer.options.replay_rows=128",
+        "optimizer.options.replay_informative_only=true",
+    ],
+    "c16r128i": [
+        "optimizer.options.replay_capacity=16",
+        "optimizer.options.replay_rows=128",
+        "optimizer.options.replay_informative_only=true",
+    ],
     "c16r512": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=512"],
-    "c16r512i": ["optimizer.options.replay_capacity=16", "optimizer.options.replay_rows=512",
-                 "optimizer.options.replay_informative_only=true"],
+    "c16r512i": [
+        "optimizer.options.replay_capacity=16",
+        "optimizer.options.replay_rows=512",
+        "optimizer.options.replay_informative_only=true",
+    ],
 }
 
 
@@ -65,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             r["variant"] = name
             r["solved_step"] = first_step_reaching(r["curve"], args.threshold)
             runs.append(r)
-            print(f"{name:<10} seed {seed}: reward {r['reward']:.3f} correctness {r['correctness']:.3f} "
-                  f"solved at step {r['solved_step']} ({r['seconds']:.0f} s) replayed rows/step {replay}", flush=True)
+            print(
+                f"{name:<10} seed {seed}: reward {r['reward']:.3f} correctness {r['correctness']:.3f} "
+                f"solved at step {r['solved_step']} ({r['seconds']:.0f} s) replayed rows/step {replay}",
+                flush=True,
+            )
             if args.out is not None:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"threshold": args.threshold, "runs": runs}, indent=1))

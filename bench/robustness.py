@@ -71,8 +71,10 @@ def run_one(
     max_score = after.max_score
     # a layered or weighted reward reports correctness as a component (inside a weighted sum under its component's
     # label, e.g. dapo.yaml's "task/correctness"); a bare `correctness` reward is the total
-    key = "reward" if config.reward.name == "correctness" else next(
-        (k for k in after.components if k == "correctness" or k.endswith("/correctness")), "correctness"
+    key = (
+        "reward"
+        if config.reward.name == "correctness"
+        else next((k for k in after.components if k == "correctness" or k.endswith("/correctness")), "correctness")
     )
     history = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in result.history]
     curve = [
@@ -106,7 +108,8 @@ def summary_line(r: dict[str, Any]) -> str:
 def table(results: list[dict[str, Any]], seeds: list[int]) -> str:
     """Markdown: one row per config, held-out reward / correctness per seed, median correctness, min fraction of max."""
     lines = [
-        "| config | " + " | ".join(f"seed {s}: reward / correctness" for s in seeds)
+        "| config | "
+        + " | ".join(f"seed {s}: reward / correctness" for s in seeds)
         + " | median correctness | min fraction of max | mean time |",
         "| --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- |",
     ]
@@ -133,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0: end only)")
     parser.add_argument("--out", type=Path, default=None, help="write every run's results (JSON)")
-    parser.add_argument("--plot", type=Path, default=None, help="draw held-out correctness against steps (PNG; needs --eval-every)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw held-out correctness against steps (PNG; needs --eval-every)"
+    )
     args = parser.parse_args(argv)
 
     results = []
@@ -144,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             if args.out is not None:  # written after every run: nothing is lost if a long sweep is stopped
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                slim = [{**{k: v for k, v in r.items() if k != "history"}, "train_reward": [m.get("reward/mean") for m in r["history"]]}
-                        for r in results]  # the full per-step metrics would be megabytes
+                slim = [
+                    {
+                        **{k: v for k, v in r.items() if k != "history"},
+                        "train_reward": [m.get("reward/mean") for m in r["history"]],
+                    }
+                    for r in results
+                ]  # the full per-step metrics would be megabytes
                 args.out.write_text(json.dumps({"overrides": args.set, "runs": slim}, indent=1))
     print(table(results, args.seeds))
     if args.plot is not None:

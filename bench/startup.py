@@ -26,7 +26,7 @@ from pathlib import Path
 
 HEAVY = ("torch", "transformers", "wandb", "tensorboard", "matplotlib", "numpy", "triton")
 
-PROBE = r'''
+PROBE = r"""
 import os, sys, time
 with open(f"/proc/{os.getpid()}/stat") as f:
     ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -59,7 +59,7 @@ def probed(self):
 plugin_manager._Loader.load = probed
 import palestra.cli
 sys.exit(palestra.cli.main(["train", f"run.output_dir={sys.argv[1]}"]))
-'''
+"""
 
 
 def light(args: list[str], runs: int) -> tuple[float, float, list[str]]:
@@ -68,10 +68,19 @@ def light(args: list[str], runs: int) -> tuple[float, float, list[str]]:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "palestra", *args], capture_output=True, check=True)
         walls.append(time.perf_counter() - t)
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c",
-                          f"import sys, palestra.cli; palestra.cli.main({args!r}); "
-                          f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-c",
+            f"import sys, palestra.cli; palestra.cli.main({args!r}); "
+            f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     self_us = sum(int(m.group(1)) for m in re.finditer(r"import time:\s+(\d+) \|", out.stderr))
     heavy = re.search(r"HEAVY (\[.*\])", out.stderr)
     return statistics.median(walls), self_us / 1e6, ast.literal_eval(heavy.group(1)) if heavy else ["?"]
@@ -83,7 +92,9 @@ def first_step(runs: int) -> list[list[tuple[float, str]]]:
         probe = Path(tmp) / "probe.py"
         probe.write_text(PROBE)
         for i in range(runs + 1):  # the first run warms the kernel cache and is not counted
-            done = subprocess.run([sys.executable, str(probe), str(Path(tmp) / "runs")], capture_output=True, text=True, check=False)
+            done = subprocess.run(
+                [sys.executable, str(probe), str(Path(tmp) / "runs")], capture_output=True, text=True, check=False
+            )
             marks = [(float(a), b) for a, b in re.findall(r"STARTUP (\S+) (.*)", done.stderr)]
             if not marks:
                 sys.exit(f"startup: the probe run failed:\n{done.stderr[-2000:]}")
@@ -99,13 +110,17 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for args in (["plugins", "--all"], ["config", "show"]):
         wall, imports, heavy = light(args, runs)
-        print(f"palestra {' '.join(args):14s} wall {wall:.3f} s (median of {runs}); imports {imports:.3f} s; "
-              f"heavy modules imported: {heavy or 'none'}")
+        print(
+            f"palestra {' '.join(args):14s} wall {wall:.3f} s (median of {runs}); imports {imports:.3f} s; "
+            f"heavy modules imported: {heavy or 'none'}"
+        )
     results = first_step(runs)
     for i, name in enumerate(m[1] for m in results[0]):
         values = [r[i][0] for r in results]
-        print(f"palestra train: {name:42s} {statistics.median(values):.2f} s "
-              f"(median of {runs}; {min(values):.2f}-{max(values):.2f})")
+        print(
+            f"palestra train: {name:42s} {statistics.median(values):.2f} s "
+            f"(median of {runs}; {min(values):.2f}-{max(values):.2f})"
+        )
     return 0
 
 

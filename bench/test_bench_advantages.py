@@ -85,8 +85,14 @@ def test_bench(benchmark, case):
             except ImportError:
                 continue
             benchmark.extra_info[f"speedup_vs_{base['impl']}"] = round(t / ours, 2)
-        print(f"\n{case['op']} {case['size']} {case['impl']}: {ours * 1e3:.3f} ms; " + ", ".join(
-            f"{k.removeprefix('speedup_vs_')} x{v}" for k, v in benchmark.extra_info.items() if k.startswith("speedup")))
+        print(
+            f"\n{case['op']} {case['size']} {case['impl']}: {ours * 1e3:.3f} ms; "
+            + ", ".join(
+                f"{k.removeprefix('speedup_vs_')} x{v}"
+                for k, v in benchmark.extra_info.items()
+                if k.startswith("speedup")
+            )
+        )
     benchmark(case["fn"])
 
 
@@ -102,12 +108,14 @@ def test_baselines_agree_with_ours():
         torch.testing.assert_close(adv[m], rl_adv.squeeze(-1)[m], rtol=1e-4, atol=1e-4)
     except ImportError:
         pass
-    torch.testing.assert_close(K.discounted_returns(r, m, C.GAMMA), C.verl_style_returns(r, m, C.GAMMA),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        K.discounted_returns(r, m, C.GAMMA), C.verl_style_returns(r, m, C.GAMMA), rtol=1e-4, atol=1e-4
+    )
     x = torch.randn(64, device=DEVICE)
     for scale in ("group", "batch", "none"):
-        torch.testing.assert_close(K.group_advantages(x, 8, scale=scale), C.eager_group(x, 8, scale),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            K.group_advantages(x, 8, scale=scale), C.eager_group(x, 8, scale), rtol=1e-5, atol=1e-5
+        )
     torch.testing.assert_close(K.rloo_advantages(x, 8), C.eager_rloo(x, 8), rtol=1e-5, atol=1e-5)
 
 

@@ -62,7 +62,6 @@ def fresh_pages_for_large_allocations():
             mallopt(param, value)
 
 
-
 def median_seconds(case: dict) -> float:
     """Median of a few timed calls after one warm-up (which also builds the native library); cached so
     that every ratio of the session divides the same measurements. Slow rows get fewer calls: past 5 s
@@ -123,8 +122,10 @@ def test_targets(benchmark):
         lines.append(f"  {name}  {ratio:8.2f}   (ours {ours_s * 1e3:.1f} ms, baseline {base_s * 1e3:.1f} ms)")
     if peak is not None:
         benchmark.extra_info["fwd+bwd peak bytes beyond the gradient"] = peak - grad_bytes
-        lines.append(f"  fwd+bwd peak memory beyond the [N, V] gradient: {(peak - grad_bytes) / 2**20:.1f} MiB "
-                     f"(the gradient itself is {grad_bytes / 2**20:.0f} MiB)")
+        lines.append(
+            f"  fwd+bwd peak memory beyond the [N, V] gradient: {(peak - grad_bytes) / 2**20:.1f} MiB "
+            f"(the gradient itself is {grad_bytes / 2**20:.0f} MiB)"
+        )
     print("\n".join(lines))
     benchmark.pedantic(fwd["fn"], rounds=3, iterations=1)
 

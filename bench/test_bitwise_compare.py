@@ -22,7 +22,8 @@ def state(run_id: str = "a", saved_at: float = 1.0, numpy_key: list[int] | None 
         "format": 3, "run_id": run_id, "saved_at": saved_at, "integrity": {"sha256": run_id * 8}, "step": 2,
         "policy": {"w": torch.tensor([1.0, -0.0, math.nan]), "b": torch.zeros(2, dtype=torch.bfloat16)},
         "reward_ema": 0.25, "logs": {"metrics.jsonl": 1234 + len(run_id)},
-        "rng": [{"python": [3, [1, 2, 3], None], "torch": torch.arange(4, dtype=torch.uint8), "numpy": ["MT19937", numpy_key or [7, 8], 0]}],
+        "rng": [{"python": [3, [1, 2, 3], None], "torch": torch.arange(4, dtype=torch.uint8),
+                 "numpy": ["MT19937", numpy_key or [7, 8], 0]}],
     }  # fmt: skip
 
 
@@ -85,14 +86,22 @@ def mappo_state(layout: str) -> dict[str, Any]:
     """MAPPO's optimiser state as issue 12 left it ("new") or as it was before ("old")."""
     critic = {"w": torch.ones(2)}
     if layout == "old":
-        return dict(state(), optimizer={"optimizers": {"shared": {"lr": 0.1}}, "critic": critic, "counters": {"steps": 3}})
+        return dict(
+            state(), optimizer={"optimizers": {"shared": {"lr": 0.1}}, "critic": critic, "counters": {"steps": 3}}
+        )
     schedulers = {"shared": {"last_epoch": 3}, "critic": {"last_epoch": 3}}
-    return dict(state(), optimizer={"optimizers": {"shared": {"lr": 0.1}}, "extra": {"critic": critic}, "schedulers": schedulers})
+    return dict(
+        state(),
+        optimizer={"optimizers": {"shared": {"lr": 0.1}}, "extra": {"critic": critic}, "schedulers": schedulers},
+    )
 
 
 def test_mappo_checkpoints_of_one_layout_are_compared_key_by_key(tmp_path: Path) -> None:
     before = write_run(tmp_path / "before", METRICS, {"checkpoint.pt": mappo_state("new")})
-    assert compare_runs(before, write_run(tmp_path / "same", METRICS, {"checkpoint.pt": mappo_state("new")})).problem is None
+    assert (
+        compare_runs(before, write_run(tmp_path / "same", METRICS, {"checkpoint.pt": mappo_state("new")})).problem
+        is None
+    )
     other = mappo_state("new")
     other["optimizer"]["schedulers"]["critic"]["last_epoch"] = 2
     found = compare_runs(before, write_run(tmp_path / "other", METRICS, {"checkpoint.pt": other})).problem
@@ -101,7 +110,10 @@ def test_mappo_checkpoints_of_one_layout_are_compared_key_by_key(tmp_path: Path)
 
 def test_mappo_before_issue_12_is_compared_with_its_moved_keys(tmp_path: Path) -> None:
     before = write_run(tmp_path / "before", METRICS, {"checkpoint.pt": mappo_state("old")})
-    assert compare_runs(before, write_run(tmp_path / "after", METRICS, {"checkpoint.pt": mappo_state("new")})).problem is None
+    assert (
+        compare_runs(before, write_run(tmp_path / "after", METRICS, {"checkpoint.pt": mappo_state("new")})).problem
+        is None
+    )
     moved = mappo_state("new")
     moved["optimizer"]["extra"]["critic"]["w"] = torch.tensor([1.0, 2.0])
     found = compare_runs(before, write_run(tmp_path / "moved", METRICS, {"checkpoint.pt": moved})).problem

@@ -52,13 +52,17 @@ def load(args: argparse.Namespace) -> tuple[Any, str | None]:
 
         config = validate_config(load_checkpoint(checkpoint, mmap=True)["config"])
     else:
-        raise SystemExit("textarena_win_rate: give --config FILE (the initial policy), --run RUN_DIR or --checkpoint PATH")
+        raise SystemExit(
+            "textarena_win_rate: give --config FILE (the initial policy), --run RUN_DIR or --checkpoint PATH"
+        )
     if config.environment.name != "textarena":
         raise SystemExit(f"textarena_win_rate: the run's environment is {config.environment.name!r}, not 'textarena'")
     return config, checkpoint
 
 
-def play(config: Any, checkpoint: str | None, games: int, *, batch: int, sample: bool, seed: int | None) -> dict[str, Any]:
+def play(
+    config: Any, checkpoint: str | None, games: int, *, batch: int, sample: bool, seed: int | None
+) -> dict[str, Any]:
     """Play ``games`` games and count every agent's results."""
     import torch
 
@@ -75,7 +79,9 @@ def play(config: Any, checkpoint: str | None, games: int, *, batch: int, sample:
     policy, env = trainer.policy, trainer.eval_env
     policy.eval()
     t = config.train
-    params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature if sample else 0.0, top_p=t.top_p)
+    params = SamplingParams(
+        max_new_tokens=t.max_new_tokens, temperature=t.temperature if sample else 0.0, top_p=t.top_p
+    )
     base = config.run.seed if seed is None else seed
     counts: dict[str, Counter[str]] = {a: Counter() for a in env.agent_ids}
     rewards: dict[str, float] = dict.fromkeys(env.agent_ids, 0.0)
@@ -87,7 +93,9 @@ def play(config: Any, checkpoint: str | None, games: int, *, batch: int, sample:
         n = min(batch, games - done)
         gen = torch.Generator(device=trainer.device).manual_seed(derive_seed(base, "win-rate/sampling", chunk))
         with torch.no_grad():
-            ro = collect(env, policy, trainer.generator, params, n, seed=derive_seed(base, "win-rate/games", chunk), rng=gen)
+            ro = collect(
+                env, policy, trainer.generator, params, n, seed=derive_seed(base, "win-rate/games", chunk), rng=gen
+            )
         for ep in ro.episodes:
             outcome, agents = ep.metadata["outcome"], ep.metadata["agents"]
             turns += len(ep.turns)
@@ -128,8 +136,10 @@ def report(result: dict[str, Any]) -> str:
         f"{'agent':<12}{'win':>8}{'draw':>8}{'loss':>8}{'invalid':>9}{'unfinished':>12}{'reward':>9}",
     ]
     for agent, r in result["agents"].items():
-        lines.append(f"{agent:<12}{r['win']:>8.3f}{r['draw']:>8.3f}{r['loss']:>8.3f}{r['invalid']:>9.3f}"
-                     f"{r['unfinished']:>12.3f}{r['mean_reward']:>9.3f}")
+        lines.append(
+            f"{agent:<12}{r['win']:>8.3f}{r['draw']:>8.3f}{r['loss']:>8.3f}{r['invalid']:>9.3f}"
+            f"{r['unfinished']:>12.3f}{r['mean_reward']:>9.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -138,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--run", metavar="RUN_DIR", help="a finished run: its checkpoint.pt and the config saved in it")
     src.add_argument("--checkpoint", metavar="PATH", help="a checkpoint file (checkpoint.pt or checkpoints/step-N.pt)")
-    p.add_argument("--config", metavar="FILE", help="the run's config; alone: the untrained policy (the run's initial weights)")
+    p.add_argument(
+        "--config", metavar="FILE", help="the run's config; alone: the untrained policy (the run's initial weights)"
+    )
     p.add_argument("--games", type=int, default=200, help="games to play (default 200)")
     p.add_argument("--batch", type=int, default=100, help="games played at once (default 100)")
     p.add_argument("--sample", action="store_true", help="sample at train.temperature instead of greedy decoding")

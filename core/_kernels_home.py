@@ -38,8 +38,9 @@ class KernelsFinder:
         folder = _folder()
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(NAME, os.path.join(folder, BODY),
-                                                      submodule_search_locations=[folder])
+        return importlib.util.spec_from_file_location(
+            NAME, os.path.join(folder, BODY), submodule_search_locations=[folder]
+        )
 
 
 def install() -> None:

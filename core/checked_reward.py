@@ -43,7 +43,7 @@ class RewardError(ValueError):
 
 # ---- the checked call --------------------------------------------------------------------------------
 class CheckedReward:
-    """Calls a reward and validates what it returns; always returns a :class:`RewardOutput` with float32 ``[B]`` scores."""
+    """Calls a reward and validates its output; always returns a :class:`RewardOutput` with float32 ``[B]`` scores."""
 
     def __init__(self, reward: Any, *, name: str, path: str | None = None) -> None:
         if not callable(reward):
@@ -85,18 +85,18 @@ class CheckedReward:
         checked = RewardOutput(self._scores(scores, b, "output", completions))
         for key, value in components.items():
             checked.components[key] = self._scores(value, b, f"component {key!r}", completions)
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(f"{self.label}: metric {key!r} is {_snippet(value)}, expected a finite number")
-            checked.metrics[key] = float(value)
+        for key, given in metrics.items():
+            # typed float, but a plugin may hand back a one-element tensor
+            number: object = given.item() if isinstance(given, torch.Tensor) and given.numel() == 1 else given
+            if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number):
+                raise RewardError(f"{self.label}: metric {key!r} is {_snippet(number)}, expected a finite number")
+            checked.metrics[key] = float(number)
         return checked
 
     def evaluate(
         self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
     ) -> RewardOutput:
-        """Score held-out rows against the full objective, leaving the reward's state (a curriculum's progress) unchanged.
+        """Score held-out rows against the full objective; the reward's state (a curriculum's progress) is unchanged.
 
         A reward with its own ``evaluate`` (the combinators) decides what "full" means; any other reward is
         called on a copy, so a stateful one is not advanced by evaluation.
@@ -120,7 +120,9 @@ class CheckedReward:
             if value.dtype.is_complex:
                 raise RewardError(f"{self.label}: {what} has dtype {value.dtype}, expected real numbers")
             if tuple(value.shape) != (b,):
-                raise RewardError(f"{self.label}: {what} has shape {list(value.shape)}, expected [{b}] (one score per row)")
+                raise RewardError(
+                    f"{self.label}: {what} has shape {list(value.shape)}, expected [{b}] (one score per row)"
+                )
             scores = value.detach().to(torch.float32)
         elif isinstance(value, (list, tuple, np.ndarray)):
             if len(value) != b:
@@ -129,7 +131,9 @@ class CheckedReward:
                 if (isinstance(v, torch.Tensor) and v.numel() == 1) or isinstance(v, np.generic):
                     v = v.item()
                 if not isinstance(v, numbers.Real):
-                    raise RewardError(f"{self.label}: {what} row {i} is {_snippet(v)} ({type(v).__name__}), not a number")
+                    raise RewardError(
+                        f"{self.label}: {what} row {i} is {_snippet(v)} ({type(v).__name__}), not a number"
+                    )
             scores = torch.tensor([float(v) for v in value], dtype=torch.float32)
         else:
             raise RewardError(f"{self.label}: {what} is {type(value).__name__}, expected a float tensor of shape [{b}]")
@@ -137,7 +141,8 @@ class CheckedReward:
         if bad.numel():
             row = int(bad[0, 0])
             raise RewardError(
-                f"{self.label}: {what} row {row} is {scores[row].item()} (not finite; completion {_snippet(completions[row])})",
+                f"{self.label}: {what} row {row} is {scores[row].item()} "
+                f"(not finite; completion {_snippet(completions[row])})",
                 nonfinite=True,
             )
         return scores
@@ -151,7 +156,7 @@ class CheckedReward:
             for i in range(len(completions)):
                 try:
                     self.reward([prompts[i]], [completions[i]], [metadata[i]])
-                except Exception:
+                except Exception:  # noqa: BLE001 - whatever a plugin's reward raises, that row is the one to name
                     return i
             return None
         finally:
@@ -177,9 +182,15 @@ def max_score(reward: Any) -> float | None:
     return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
-def _evaluate(reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+def _evaluate(
+    reward: Any, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+) -> RewardOutput:
     """A nested reward's held-out scores (see :meth:`CheckedReward.evaluate`)."""
-    return reward.evaluate(prompts, completions, metadata) if isinstance(reward, HeldOutScoring) else reward(prompts, completions, metadata)
+    return (
+        reward.evaluate(prompts, completions, metadata)
+        if isinstance(reward, HeldOutScoring)
+        else reward(prompts, completions, metadata)
+    )
 
 
 def _snippet(value: Any) -> str:

@@ -22,7 +22,5 @@ class OptionError(ConfigError):
         super().__init__(f"{key}: {self.message}")
 
 
-
 class ComponentBuildError(ConfigError):
     """A component's factory raised while building it from its (valid) config node."""
-

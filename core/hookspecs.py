@@ -60,7 +60,7 @@ class RegisterFn(Protocol):
 # ---- registration ----------------------------------------------------------------------------------
 @hookspec
 def register_environments(register: RegisterFn) -> None:
-    """Register environments: sources of prompts or dialogue contexts (single- or multi-agent, single- or multi-turn)."""
+    """Register environments: sources of prompts or dialogues (single- or multi-agent, single- or multi-turn)."""
 
 
 @hookspec

@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -109,7 +109,9 @@ def get_registry() -> Registry:
         state = _get_state()
         if state.registry is None:
             if state.building:  # a register_* hook asked for the registry it is helping to build
-                raise RuntimeError("get_registry() was called from inside a register_* hook, while the registry is being built")
+                raise RuntimeError(
+                    "get_registry() was called from inside a register_* hook, while the registry is being built"
+                )
             state.building = True
             try:
                 state.registry = _build_registry(state)
@@ -141,7 +143,9 @@ def _get_state() -> _State:
     with _lock:
         if _state is None:
             if _loading:  # a plugin module asked for the manager while being imported by it
-                raise RuntimeError("the plugin manager was asked for while it is loading plugins (at a plugin's import time)")
+                raise RuntimeError(
+                    "the plugin manager was asked for while it is loading plugins (at a plugin's import time)"
+                )
             _loading = True
             try:
                 _state = _Loader().load()
@@ -181,7 +185,8 @@ class _Loader:
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
                 raise BuiltinPluginError(
-                    f"built-in plugin {ep.name!r} ({ep.value}) failed to load: {_one_line(e)}; the palestra install is broken"
+                    f"built-in plugin {ep.name!r} ({ep.value}) failed to "
+                    f"load: {_one_line(e)}; the palestra install is broken"
                 ) from e
             self._loaded(plugin, ep.name, ep.value, dist, builtin=True)
 
@@ -216,7 +221,7 @@ class _Loader:
                 self.pm.unregister(name=name)
             self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, str(e), api=e.declared)
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a third-party plugin that fails to import is disabled, not fatal
             for name, _, _ in registered:
                 self.pm.unregister(name=name)
             self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, f"{_one_line(e)} (while loading)")
@@ -229,17 +234,29 @@ class _Loader:
         dist_name, version = self.dist_names.name(dist), self.dist_names.version(dist)
         api = _declared_api(plugin)
         self.plugins.append(
-            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=builtin, hooks=hooks, api=api)
+            PluginInfo(
+                name=name, module=module, distribution=dist_name, version=version, builtin=builtin, hooks=hooks, api=api
+            )
         )
         self.trace("loaded", "built-in" if builtin else "third-party", "plugin", repr(name), "from", dist_name, version)
 
-    def _disable(self, name: str, module: str, dist: metadata.Distribution, error: str, *, api: str | None = None) -> None:
+    def _disable(
+        self, name: str, module: str, dist: metadata.Distribution, error: str, *, api: str | None = None
+    ) -> None:
         dist_name, version = self.dist_names.name(dist), self.dist_names.version(dist)
         _warn_broken(dist_name, error)
         self.broken.append(BrokenPlugin(plugin=name, distribution=dist_name, error=error))
         self.plugins.append(
-            PluginInfo(name=name, module=module, distribution=dist_name, version=version, builtin=False, hooks=(),
-                       error=error, api=api)
+            PluginInfo(
+                name=name,
+                module=module,
+                distribution=dist_name,
+                version=version,
+                builtin=False,
+                hooks=(),
+                error=error,
+                api=api,
+            )
         )
 
     def _check_pending(self) -> None:
@@ -360,13 +377,16 @@ def _check_api(plugin: object, name: str) -> None:
         supported = SpecifierSet(declared)
     except InvalidSpecifier:
         raise IncompatiblePlugin(
-            f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} = {declared!r}, which is not a version specifier "
-            f"(write e.g. {_current_range()!r})", declared,
+            f"plugin {name!r} declares {hookspecs.PLUGIN_API_ATTRIBUTE} "
+            f"= {declared!r}, which is not a version specifier "
+            f"(write e.g. {_current_range()!r})",
+            declared,
         ) from None
     if not supported.contains(hookspecs.PLUGIN_API, prereleases=True):
         raise IncompatiblePlugin(
             f"plugin {name!r} supports plugin API {declared}, but this palestra provides plugin API "
-            f"{hookspecs.PLUGIN_API}; install a version of the plugin built for {hookspecs.PLUGIN_API}", declared,
+            f"{hookspecs.PLUGIN_API}; install a version of the plugin built for {hookspecs.PLUGIN_API}",
+            declared,
         )
 
 
@@ -396,7 +416,9 @@ def _build_registry(state: _State) -> Registry:
         except Exception as e:
             error = f"{_one_line(e)} (in {hook_name})"
             if info.builtin:
-                raise BuiltinPluginError(f"built-in plugin {info.name!r} failed: {error}; the palestra install is broken") from e
+                raise BuiltinPluginError(
+                    f"built-in plugin {info.name!r} failed: {error}; the palestra install is broken"
+                ) from e
             _warn_broken(info.distribution or info.name, error)
             broken = BrokenPlugin(plugin=info.name, distribution=info.distribution, error=error)
             state.broken.append(broken)
@@ -422,7 +444,9 @@ class _Register:
     def __repr__(self) -> str:  # shown by PALESTRA_TRACE_PLUGINS
         return f"<register {self.kind} for plugin {self.info.name!r}>"
 
-    def __call__(self, name: str, factory: Callable[..., Any], *, options: type | None = None, description: str = "") -> None:
+    def __call__(
+        self, name: str, factory: Callable[..., Any], *, options: type | None = None, description: str = ""
+    ) -> None:
         where = f"plugin {self.info.name!r} registering {self.kind} {name!r}"
         if self.closed:
             raise RuntimeError(f"{where}: register() was called after {KINDS[self.kind]} returned")
@@ -461,11 +485,13 @@ def _enable_tracing(pm: pluggy.PluginManager) -> None:
     pm.trace.root.setwriter(lambda text: sys.stderr.write(text))  # looked up per call, so redirected stderr works
     hooktrace = pm.trace.root.get("hook")
 
-    def before(hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
         hooktrace.root.indent += 1
         hooktrace("call", hook_name, "->", [impl.plugin_name for impl in impls], kwargs)
 
-    def after(outcome: Any, hook_name: str, impls: Iterable[Any], kwargs: dict[str, Any]) -> None:
+    def after(
+        outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]
+    ) -> None:
         if outcome.exception is None:
             hooktrace("finish", hook_name, "-->", outcome.get_result())
         else:

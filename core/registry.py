@@ -44,7 +44,8 @@ class MissingDependency(ImportError):
         try:
             import textarena
         except ImportError as e:
-            raise MissingDependency("the textarena environment", "textarena", 'pip install "palestra[textarena]"', cause=e) from None
+            raise MissingDependency("the textarena environment", "textarena", 'pip install "palestra[textarena]"',
+            cause=e) from None
 
     ``cause``, the ImportError met, tells a package that is not installed from one that fails to import (one of its
     own imports missing, or too old a version), and the message says which. ``name`` is the package, as on
@@ -55,8 +56,10 @@ class MissingDependency(ImportError):
 
     def __init__(self, what: str, package: str, install: str, *, cause: ImportError | None = None) -> None:
         self.what, self.install = what, install
-        super().__init__(f"{what} needs the Python package {package!r}, {_why_missing(package, cause)}; install it with: {install}",
-                         name=package)
+        super().__init__(
+            f"{what} needs the Python package {package!r}, {_why_missing(package, cause)}; install it with: {install}",
+            name=package,
+        )
 
 
 def _why_missing(package: str, cause: ImportError | None) -> str:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so loading plugins (and `palestra config`) stays fast
-
     import torch
 
     from palestra.context import TrainContext
@@ -232,8 +231,18 @@ class Experience:
     old_logprobs: torch.Tensor | None = None
 
     _ROW_FIELDS = (
-        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs", "rewards",
-        "advantages", "group_ids", "ref_logprobs", "returns", "old_values", "old_logprobs",
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "behaviour_logprobs",
+        "rewards",
+        "advantages",
+        "group_ids",
+        "ref_logprobs",
+        "returns",
+        "old_values",
+        "old_logprobs",
     )
 
     def select(self, index: torch.Tensor | Sequence[int]) -> Experience:
@@ -243,7 +252,10 @@ class Experience:
         idx = index if isinstance(index, torch.Tensor) else torch.as_tensor(list(index), dtype=torch.int64)
         idx = idx.to(self.completion_ids.device)
         rows = idx.tolist()
-        picked = {k: (None if getattr(self, k) is None else getattr(self, k)[idx]) for k in self._ROW_FIELDS}
+        # each field keeps its own type (a tensor, or None for an optional one)
+        picked: dict[str, Any] = {
+            k: (None if getattr(self, k) is None else getattr(self, k)[idx]) for k in self._ROW_FIELDS
+        }
         return Experience(
             **picked,
             agent_ids=[self.agent_ids[i] for i in rows],
@@ -295,10 +307,15 @@ class Experience:
             returns=cat("returns", per_token),
             old_values=cat("old_values", per_token),
             old_logprobs=cat("old_logprobs", per_token),
-            reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in keys
-                               if all(k in b.reward_components for b in batches)},
+            reward_components={
+                k: torch.cat([b.reward_components[k] for b in batches])
+                for k in keys
+                if all(k in b.reward_components for b in batches)
+            },
             metadata=[m for b in batches for m in b.metadata] if all(b.metadata for b in batches) else [],
-            extras={k: torch.cat([b.extras[k] for b in batches]) for k in extras if all(k in b.extras for b in batches)},
+            extras={
+                k: torch.cat([b.extras[k] for b in batches]) for k in extras if all(k in b.extras for b in batches)
+            },
         )
 
     @property
@@ -374,7 +391,8 @@ class SamplingParams:
 
 
 class Policy(Protocol):
-    """A language model that acts: it encodes observations and scores tokens (see :class:`palestra.models.policy.CausalLMPolicy`).
+    """A language model that acts: it encodes observations and scores tokens (see
+    :class:`palestra.models.policy.CausalLMPolicy`).
 
     Implementations own their tokenizer, device and dtype. ``score`` must be differentiable with respect
     to ``parameters()``: it is what an optimiser's loss is built from. Sampling is a generator's job
@@ -575,19 +593,19 @@ class Logger(Protocol):
 
 
 __all__ = [
-    "AdapterPolicy",
-    "Exportable",
-    "HeldOutSplit",
     "DEFAULT_AGENT",
+    "AdapterPolicy",
     "AgentId",
     "Environment",
     "Episode",
     "Experience",
-    "Generation",
+    "Exportable",
     "FileLogger",
+    "Generation",
     "Generator",
     "GradientCheckpointing",
     "HeldOutScoring",
+    "HeldOutSplit",
     "Logger",
     "Message",
     "Observation",

@@ -183,7 +183,9 @@ def group_advantages_reference(
     return centred.reshape(-1)
 
 
-def rloo_advantages_reference(rewards: torch.Tensor, group_size: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def rloo_advantages_reference(
+    rewards: torch.Tensor, group_size: int, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     x = rewards.to(dtype).reshape(-1, group_size)
     loo_mean = (x.sum(-1, keepdim=True) - x) / (group_size - 1)
     return (x - loo_mean).reshape(-1)

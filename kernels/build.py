@@ -79,7 +79,11 @@ def cache_dir_problem() -> str | None:
         if isinstance(e, FileExistsError):  # mkdir(exist_ok=True) says so when a file holds the name
             why = "a file is in the way"
         env = os.environ.get("PALESTRA_CACHE_DIR")
-        where = f"PALESTRA_CACHE_DIR={env!r}" if env else f"the kernel cache {str(root)!r} (set PALESTRA_CACHE_DIR to move it)"
+        where = (
+            f"PALESTRA_CACHE_DIR={env!r}"
+            if env
+            else f"the kernel cache {str(root)!r} (set PALESTRA_CACHE_DIR to move it)"
+        )
         return f"{where}: not a writable folder ({why})"
 
 

@@ -234,7 +234,9 @@ class KernelOp:
                     # The library's own error (shared by every op it serves) is the cause; ``e`` names this op.
                     cause = e.__cause__ if isinstance(e.__cause__, KernelBuildError) else e
                     if isinstance(cause, KernelCacheError):
-                        warn_fallback(f"{cause.reason}; the native kernels fall back to torch", cause.reason, stacklevel=3)
+                        warn_fallback(
+                            f"{cause.reason}; the native kernels fall back to torch", cause.reason, stacklevel=3
+                        )
                     else:
                         warn_fallback(f"{e}; falling back", f"{backend}/{device.type}: {cause.reason}", stacklevel=3)
             assert chosen is not None, "the torch reference is always available"

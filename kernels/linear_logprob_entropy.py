@@ -220,8 +220,16 @@ def _backward_op(
         hidden32 = hidden[rows].to(dtype)
         logits = _chunk_logits(hidden32, weight32, bias32, buffer)
         # dz: a second [chunk, V] buffer, alive until the chunk's three reductions are done
-        dz = backward(grad_logp[rows], grad_entropy[rows], logits, targets[rows], lse[rows], entropy[rows],
-                      temperature, ignore_index)
+        dz = backward(
+            grad_logp[rows],
+            grad_entropy[rows],
+            logits,
+            targets[rows],
+            lse[rows],
+            entropy[rows],
+            temperature,
+            ignore_index,
+        )
         if need_hidden:
             if d_hidden.dtype == dtype:
                 torch.mm(dz, weight32, out=d_hidden[rows])
@@ -245,8 +253,23 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, temperature,
-                   ignore_index, chunk_rows, backend, need_hidden, need_weight, need_bias):
+def _backward_fake(
+    grad_logp,
+    grad_entropy,
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    chunk_rows,
+    backend,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,))
     d_weight = torch.empty_like(weight) if need_weight else weight.new_empty((0,))
     d_bias = torch.empty_like(bias) if need_bias else weight.new_empty((0,))
@@ -273,8 +296,18 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     if grad_entropy is None:
         grad_entropy = torch.zeros_like(lse)
     d_hidden, d_weight, d_bias = torch.ops.palestra_fused.linear_logprob_entropy_backward(
-        grad_logp, grad_entropy, hidden, weight, bias, targets, lse, entropy, *ctx.options,
-        need_hidden, need_weight, need_bias,
+        grad_logp,
+        grad_entropy,
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        entropy,
+        *ctx.options,
+        need_hidden,
+        need_weight,
+        need_bias,
     )
     return (
         d_hidden if need_hidden else None,
@@ -336,8 +369,11 @@ def _check_inputs(hidden, weight, bias, targets, temperature, ignore_index, chun
             check(t.device == hidden.device, OP, f"{name} is on {t.device} but hidden is on {hidden.device}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"{OP}: temperature must be a float, got {type(temperature).__name__}")
-    check(math.isfinite(temperature) and temperature > 0, OP,
-          f"temperature must be a finite number > 0, got {temperature}")
+    check(
+        math.isfinite(temperature) and temperature > 0,
+        OP,
+        f"temperature must be a finite number > 0, got {temperature}",
+    )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{OP}: ignore_index must be an int, got {type(ignore_index).__name__}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:

@@ -198,9 +198,6 @@ else:
     CPU_LIBRARY.on_load(_register_native_formulas)
 
 
-
-
-
 # ----------------------------------------------------------------------------------
 def logprob_entropy(
     logits: torch.Tensor,

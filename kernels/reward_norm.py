@@ -177,8 +177,12 @@ class RunningMoments:
                 f"RunningMoments.merge: other has {other.num_segments} segments, this state has {self.num_segments}"
             )
         n, mean, m2 = chan_merge(
-            self.count, self._mean, self.m2,
-            other.count.to(self.device), other._mean.to(self.device), other.m2.to(self.device),
+            self.count,
+            self._mean,
+            self.m2,
+            other.count.to(self.device),
+            other._mean.to(self.device),
+            other.m2.to(self.device),
         )
         self._assign(n, mean, m2)
         return self
@@ -222,8 +226,12 @@ class RunningMoments:
     _KEYS = ("count", "mean", "m2", "synced")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"count": self.count.clone(), "mean": self._mean.clone(), "m2": self.m2.clone(),
-                "synced": self._synced.clone()}
+        return {
+            "count": self.count.clone(),
+            "mean": self._mean.clone(),
+            "m2": self.m2.clone(),
+            "synced": self._synced.clone(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         unknown = set(state_dict) - set(self._KEYS)
@@ -331,9 +339,6 @@ if CPU_LIBRARY.loaded:
     _register_fake()
 else:
     CPU_LIBRARY.on_load(_register_fake)
-
-
-
 
 
 # ---- public entry point ------------------------------------------------------------------------------

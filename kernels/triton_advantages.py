@@ -161,15 +161,29 @@ def _group_kernel(r_ptr, out_ptr, std_ptr, group_size, eps, factor, MODE: tl.con
 
 @torch.library.custom_op("palestra_triton::gae", mutates_args=())
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap_value: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    gamma: float,
+    lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, T = rewards.shape
     adv = torch.empty_like(rewards)
     ret = torch.empty_like(rewards)
     if B > 0 and T > 0:
         _reverse_scan_kernel[(B,)](
-            rewards, values, mask.view(torch.uint8), bootstrap_value, adv, ret, T, gamma, _log2(gamma * lam),
-            HAS_VALUES=True, BLOCK=_tile(T),
+            rewards,
+            values,
+            mask.view(torch.uint8),
+            bootstrap_value,
+            adv,
+            ret,
+            T,
+            gamma,
+            _log2(gamma * lam),
+            HAS_VALUES=True,
+            BLOCK=_tile(T),
         )
     return adv, ret
 
@@ -181,8 +195,17 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     if B > 0 and T > 0:
         # values / bootstrap / returns pointers are unused with HAS_VALUES=False
         _reverse_scan_kernel[(B,)](
-            rewards, rewards, mask.view(torch.uint8), rewards, out, out, T, gamma, _log2(gamma),
-            HAS_VALUES=False, BLOCK=_tile(T),
+            rewards,
+            rewards,
+            mask.view(torch.uint8),
+            rewards,
+            out,
+            out,
+            T,
+            gamma,
+            _log2(gamma),
+            HAS_VALUES=False,
+            BLOCK=_tile(T),
         )
     return out
 
@@ -196,9 +219,7 @@ def _launch_groups(rewards: torch.Tensor, group_size: int, mode: int, eps: float
     if mode == 2:
         _batch_std_kernel[(1,)](rewards, std, B, BLOCK=_tile(B))
     factor = group_size / (group_size - 1) if mode == 3 else 1.0
-    _group_kernel[(B // group_size,)](
-        rewards, out, std, group_size, eps, factor, MODE=mode, BLOCK=_tile(group_size)
-    )
+    _group_kernel[(B // group_size,)](rewards, out, std, group_size, eps, factor, MODE=mode, BLOCK=_tile(group_size))
     return out
 
 

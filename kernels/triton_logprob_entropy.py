@@ -136,8 +136,17 @@ def logprob_entropy_triton(
     if n_rows > 0:
         block, num_warps = triton_launch_settings(vocab, logits.element_size())
         _logprob_entropy_fwd_kernel[(n_rows,)](
-            logits, tokens, logp, entropy, lse, logits.stride(0), vocab, 1.0 / temperature, ignore_index,
-            BLOCK=block, num_warps=num_warps,
+            logits,
+            tokens,
+            logp,
+            entropy,
+            lse,
+            logits.stride(0),
+            vocab,
+            1.0 / temperature,
+            ignore_index,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return logp, entropy, lse
 
@@ -163,8 +172,19 @@ def logprob_entropy_backward_triton(
         lse, entropy = lse.contiguous(), entropy.contiguous()
         block, num_warps = triton_launch_settings(vocab, logits.element_size())
         _logprob_entropy_bwd_kernel[(n_rows,)](
-            grad_logp, grad_entropy, logits, tokens, lse, entropy, grad, logits.stride(0), vocab,
-            1.0 / temperature, ignore_index, BLOCK=block, num_warps=num_warps,
+            grad_logp,
+            grad_entropy,
+            logits,
+            tokens,
+            lse,
+            entropy,
+            grad,
+            logits.stride(0),
+            vocab,
+            1.0 / temperature,
+            ignore_index,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return grad
 

@@ -49,8 +49,18 @@ def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 @triton.jit
 def _partials_kernel(
-    x_ptr, seg_ptr, n, S, part_ptr, err_ptr, num_chunks, ITERS,
-    HAS_SEG: tl.constexpr, UPDATE: tl.constexpr, SUB: tl.constexpr, SEG_TILE: tl.constexpr,
+    x_ptr,
+    seg_ptr,
+    n,
+    S,
+    part_ptr,
+    err_ptr,
+    num_chunks,
+    ITERS,
+    HAS_SEG: tl.constexpr,
+    UPDATE: tl.constexpr,
+    SUB: tl.constexpr,
+    SEG_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     start = pid * ITERS * SUB
@@ -123,8 +133,18 @@ def _partials_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, num_chunks, S, count_ptr, mean_ptr, m2_ptr, shift_ptr, scale_ptr, params_ptr,
-    UPDATE: tl.constexpr, MERGE_TILE: tl.constexpr, CHUNK_TILE: tl.constexpr,
+    part_ptr,
+    num_chunks,
+    S,
+    count_ptr,
+    mean_ptr,
+    m2_ptr,
+    shift_ptr,
+    scale_ptr,
+    params_ptr,
+    UPDATE: tl.constexpr,
+    MERGE_TILE: tl.constexpr,
+    CHUNK_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     eps = tl.load(params_ptr)  # float64: a float argument would reach the kernel rounded to float32
@@ -164,8 +184,16 @@ def _merge_kernel(
 
 @triton.jit
 def _write_kernel(
-    x_ptr, seg_ptr, shift_ptr, scale_ptr, out_ptr, n, params_ptr,
-    HAS_SEG: tl.constexpr, F64_MATH: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    seg_ptr,
+    shift_ptr,
+    scale_ptr,
+    out_ptr,
+    n,
+    params_ptr,
+    HAS_SEG: tl.constexpr,
+    F64_MATH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < n
@@ -224,8 +252,18 @@ def normalize_rewards_op(
     errors = torch.empty(num_chunks, 4, dtype=torch.int64, device=dev)
     seg_arg = segment_ids if has_seg else rewards  # never read when HAS_SEG is false
     _partials_kernel[(num_chunks,)](
-        rewards, seg_arg, n, S, part, errors, num_chunks, iters,
-        HAS_SEG=has_seg, UPDATE=update, SUB=SUB, SEG_TILE=SEG_TILE,
+        rewards,
+        seg_arg,
+        n,
+        S,
+        part,
+        errors,
+        num_chunks,
+        iters,
+        HAS_SEG=has_seg,
+        UPDATE=update,
+        SUB=SUB,
+        SEG_TILE=SEG_TILE,
     )
     _raise_errors(errors, rewards, S)
     shift = torch.empty(S, dtype=torch.float64, device=dev)
@@ -235,12 +273,30 @@ def normalize_rewards_op(
     merge_tile = max(2, min(MAX_MERGE_TILE, triton.next_power_of_2(S)))
     chunk_tile = max(2, min(MAX_CHUNK_TILE, triton.next_power_of_2(num_chunks)))
     _merge_kernel[(triton.cdiv(S, merge_tile),)](
-        part, num_chunks, S, count, mean, m2, shift, scale, params,
-        UPDATE=update, MERGE_TILE=merge_tile, CHUNK_TILE=chunk_tile,
+        part,
+        num_chunks,
+        S,
+        count,
+        mean,
+        m2,
+        shift,
+        scale,
+        params,
+        UPDATE=update,
+        MERGE_TILE=merge_tile,
+        CHUNK_TILE=chunk_tile,
     )
     _write_kernel[(triton.cdiv(n, WRITE_BLOCK),)](
-        rewards, seg_arg, shift, scale, out, n, params,
-        HAS_SEG=has_seg, F64_MATH=rewards.dtype == torch.float64, BLOCK=WRITE_BLOCK,
+        rewards,
+        seg_arg,
+        shift,
+        scale,
+        out,
+        n,
+        params,
+        HAS_SEG=has_seg,
+        F64_MATH=rewards.dtype == torch.float64,
+        BLOCK=WRITE_BLOCK,
     )
     return out
 

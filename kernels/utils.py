@@ -39,7 +39,9 @@ def check_tensor(
     if ndim is not None:
         allowed_nd = (ndim,) if isinstance(ndim, int) else ndim
         if t.dim() not in allowed_nd:
-            raise ValueError(f"{op}: {name} has shape {shape_str(t)}, expected {' or '.join(map(str, allowed_nd))} dims")
+            raise ValueError(
+                f"{op}: {name} has shape {shape_str(t)}, expected {' or '.join(map(str, allowed_nd))} dims"
+            )
     if min_ndim is not None and t.dim() < min_ndim:
         raise ValueError(f"{op}: {name} has shape {shape_str(t)}, expected at least {min_ndim} dims")
 

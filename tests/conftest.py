@@ -38,19 +38,25 @@ def raw_config() -> Callable[..., dict[str, Any]]:
     dashboard at the end. ``sections`` replaces whole sections (a test of another policy, optimiser or reward);
     the ``train`` keywords then update the train section."""
 
-    def make(output_dir: str | Path = "runs", name: str = "r", sections: dict[str, Any] | None = None,
-             **train: Any) -> dict[str, Any]:
+    def make(
+        output_dir: str | Path = "runs", name: str = "r", sections: dict[str, Any] | None = None, **train: Any
+    ) -> dict[str, Any]:
         raw: dict[str, Any] = {
             "run": {"name": name, "seed": 0, "output_dir": str(output_dir)},
-            "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
-            "reward": {"name": "layered", "options": {"layers": [{"name": "format"}, {"name": "correctness", "unlock_at": 0.3}], "ema_decay": 0.9}},
+            "environment": {"name": "arithmetic",
+                            "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
+            "reward": {"name": "layered",
+                       "options": {"layers": [{"name": "format"}, {"name": "correctness", "unlock_at": 0.3}],
+                                   "ema_decay": 0.9}},
             "policy": {"name": "tiny", "options": dict(TINY)},
-            "optimizer": {"name": "reinforce", "options": {"normalize": True, "replay_capacity": 2, "replay_rows": 4, "entropy_coef": 0.01}},
+            "optimizer": {"name": "reinforce",
+                          "options": {"normalize": True, "replay_capacity": 2, "replay_rows": 4, "entropy_coef": 0.01}},
             "generator": {"name": "kv_cache"},
             "kernels": {"backend": "torch"},
             "loggers": [{"name": "jsonl", "options": {"filename": "log.jsonl"}}],
-            "train": {"steps": 4, "batch_size": 4, "group_size": 4, "lr": 5e-3, "lr_schedule": "cosine", "max_new_tokens": 6,
-                      "device": "cpu", "eval_size": 4, "eval_every": 0, "log_every": 1, "save_every": 2, "keep_checkpoints": 2},
+            "train": {"steps": 4, "batch_size": 4, "group_size": 4, "lr": 5e-3, "lr_schedule": "cosine",
+                      "max_new_tokens": 6, "device": "cpu", "eval_size": 4, "eval_every": 0, "log_every": 1,
+                      "save_every": 2, "keep_checkpoints": 2},
         }  # fmt: skip
         raw.update(copy.deepcopy(sections or {}))
         raw["train"].update(train)

@@ -36,11 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results to FILE.json or FILE.csv")
     p.add_argument("--bench-dir", default=None, help="the bench/ folder (default: the source checkout's)")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds to spend timing each row (at least 3 calls)")
-    p.add_argument("--e2e", action="store_true",
-                   help="time whole training steps of a config instead of kernels: generate, reward, score, update, overhead")
-    p.add_argument("--config", default=None, metavar="FILE", help="with --e2e: the config to train (default: the built-in task)")
-    p.add_argument("--steps", type=int, default=5, help="with --e2e: measured steps, after one warm-up step (default 5)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="with --e2e: dotted config overrides such as train.max_new_tokens=32")
+    p.add_argument(
+        "--e2e",
+        action="store_true",
+        help="time whole training steps of a config instead of kernels: generate, reward, score, update, overhead",
+    )
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="with --e2e: the config to train (default: the built-in task)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=5, help="with --e2e: measured steps, after one warm-up step (default 5)"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="with --e2e: dotted config overrides such as train.max_new_tokens=32",
+    )
 
 
 def find_bench_dir(explicit: str | None) -> Path:
@@ -195,7 +207,19 @@ def write_results(rows: list[dict], out: str, meta: dict) -> None:
             w.writerow(["op", "size", "impl", "baseline", "seconds", "peak_bytes", "gbps", "speedup_vs", "error"])
             for r in rows:
                 ratios = ";".join(f"{k}={v:.4g}" for k, v in r.get("speedup_vs", {}).items())
-                w.writerow([r["op"], r["size"], r["impl"], r["baseline"], r["seconds"], r["peak_bytes"], r["gbps"], ratios, r["error"] or ""])
+                w.writerow(
+                    [
+                        r["op"],
+                        r["size"],
+                        r["impl"],
+                        r["baseline"],
+                        r["seconds"],
+                        r["peak_bytes"],
+                        r["gbps"],
+                        ratios,
+                        r["error"] or "",
+                    ]
+                )
     else:
         raise UsageError(f"--out: {out!r} must end in .json or .csv")
 
@@ -203,7 +227,11 @@ def write_results(rows: list[dict], out: str, meta: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.e2e:
         return run_e2e(args)
-    for flag, given in (("--config", args.config is not None), ("--steps", args.steps != 5), ("key=value", bool(args.overrides))):
+    for flag, given in (
+        ("--config", args.config is not None),
+        ("--steps", args.steps != 5),
+        ("key=value", bool(args.overrides)),
+    ):
         if given:
             raise UsageError(f"{flag}: only with --e2e (the kernel benchmark takes --ops, --quick and --min-time)")
     import torch
@@ -256,7 +284,11 @@ def run_e2e(args: argparse.Namespace) -> int:
     from palestra.config import load_config
     from palestra.engine.trainer import Trainer
 
-    for flag, given in (("--ops", bool(args.ops)), ("--quick", args.quick), ("--bench-dir", args.bench_dir is not None)):
+    for flag, given in (
+        ("--ops", bool(args.ops)),
+        ("--quick", args.quick),
+        ("--bench-dir", args.bench_dir is not None),
+    ):
         if given:
             raise UsageError(f"{flag}: only for the kernel benchmark, not with --e2e")
     if args.steps < 1:
@@ -266,9 +298,12 @@ def run_e2e(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device else [])
     config = load_config(args.config, overrides)
     t = config.train
-    print(f"palestra bench --e2e: {config.policy.name} policy on {config.environment.name}, {t.batch_size} tasks x "
-          f"{t.group_size} completions, max {t.max_new_tokens} new tokens, {config.optimizer.name}; 1 warm-up + "
-          f"{args.steps} steps ({torch.get_num_threads()} threads)", file=sys.stderr)
+    print(
+        f"palestra bench --e2e: {config.policy.name} policy on {config.environment.name}, {t.batch_size} tasks x "
+        f"{t.group_size} completions, max {t.max_new_tokens} new tokens, {config.optimizer.name}; 1 warm-up + "
+        f"{args.steps} steps ({torch.get_num_threads()} threads)",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(prefix="palestra-bench-") as run_dir:
         trainer = Trainer(config, run_dir=run_dir)
         trainer.step()  # the warm-up: lazy kernel builds, first allocations
@@ -277,9 +312,14 @@ def run_e2e(args: argparse.Namespace) -> int:
     rows = step_rows(history, t.batch_size * t.group_size)
     print(format_step_table(rows))
     if args.out:
-        meta = {"config": args.config or "(built-in)", "overrides": overrides, "steps": args.steps,
-                "device": device if device != "cpu" else _cpu_name(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__}
+        meta = {
+            "config": args.config or "(built-in)",
+            "overrides": overrides,
+            "steps": args.steps,
+            "device": device if device != "cpu" else _cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
         write_step_results(rows, history, args.out, meta)
         print(f"results written to {args.out}", file=sys.stderr)
     return 0
@@ -294,8 +334,14 @@ def step_rows(history: list[dict[str, float]], completions: int) -> list[dict]:
     for part in (*STEP_PARTS, "step"):
         values = [m.get(f"perf/{part}_s", 0.0) for m in history]
         mean = statistics.fmean(values)
-        rows.append({"part": part, "median_s": statistics.median(values), "mean_s": mean,
-                     "share": mean / mean_step if mean_step > 0 else math.nan})
+        rows.append(
+            {
+                "part": part,
+                "median_s": statistics.median(values),
+                "mean_s": mean,
+                "share": mean / mean_step if mean_step > 0 else math.nan,
+            }
+        )
     median_step = statistics.median(steps)
     tokens = statistics.fmean(m["response/length"] for m in history) * completions
     rows.append({"part": "completions/s", "value": completions / median_step})
@@ -310,7 +356,9 @@ def format_step_table(rows: list[dict]) -> str:
         if "value" in r:
             lines.append(f"{r['part']:<14} {r['value']:>10.1f}")
         else:
-            lines.append(f"{r['part']:<14} {_fmt_time(r['median_s']):>10} {_fmt_time(r['mean_s']):>10} {r['share']:>7.1%}")
+            lines.append(
+                f"{r['part']:<14} {_fmt_time(r['median_s']):>10} {_fmt_time(r['mean_s']):>10} {r['share']:>7.1%}"
+            )
     return "\n".join(lines)
 
 
@@ -325,4 +373,6 @@ def write_step_results(rows: list[dict], history: list[dict[str, float]], out: s
             w = csv.writer(f)
             w.writerow(["part", "median_s", "mean_s", "share", "value"])
             for r in rows:
-                w.writerow([r["part"], r.get("median_s", ""), r.get("mean_s", ""), r.get("share", ""), r.get("value", "")])
+                w.writerow(
+                    [r["part"], r.get("median_s", ""), r.get("mean_s", ""), r.get("share", ""), r.get("value", "")]
+                )

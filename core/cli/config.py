@@ -19,7 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Print the resolved config as YAML: FILE (.yaml/.yml/.toml; the built-in task when omitted) "
         "with key=value overrides applied and every component's options filled in with their defaults.",
     )
-    show.add_argument("items", nargs="*", metavar="[FILE] [key=value ...]", help="a config file, then dotted overrides such as train.lr=3e-4")
+    show.add_argument(
+        "items",
+        nargs="*",
+        metavar="[FILE] [key=value ...]",
+        help="a config file, then dotted overrides such as train.lr=3e-4",
+    )
 
 
 def split_file_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:

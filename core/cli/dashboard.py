@@ -266,7 +266,14 @@ def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     # Fixed margins rather than constrained layout: as readable for a uniform grid, and half the drawing time.
-    fig.subplots_adjust(left=0.75 / (5.0 * ncols), right=1 - 0.3 / (5.0 * ncols), bottom=0.55 / height, top=1 - 0.85 / height, wspace=0.28, hspace=0.42)
+    fig.subplots_adjust(
+        left=0.75 / (5.0 * ncols),
+        right=1 - 0.3 / (5.0 * ncols),
+        bottom=0.55 / height,
+        top=1 - 0.85 / height,
+        wspace=0.28,
+        hspace=0.42,
+    )
     fig.savefig(out, dpi=100)
 
 

@@ -66,10 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument(
-        "--grad-threshold", type=float, default=1e3, metavar="X",
+        "--grad-threshold",
+        type=float,
+        default=1e3,
+        metavar="X",
         help="flag a parameter group whose gradient norm exceeds X as exploding (default 1e3)",
     )
-    parser.add_argument("--skip", default="", metavar="SECTIONS", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
+    parser.add_argument(
+        "--skip", default="", metavar="SECTIONS", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides such as train.batch_size=2")
 
 
@@ -151,12 +156,20 @@ def check_versions() -> list[Check]:
     import torch
 
     v = "versions"
-    checks = [Check(v, "python", OK, f"{platform.python_version()} ({sys.executable})", {"version": platform.python_version()})]
+    checks = [
+        Check(
+            v, "python", OK, f"{platform.python_version()} ({sys.executable})", {"version": platform.python_version()}
+        )
+    ]
     cuda_build = torch.version.cuda
-    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    devices = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     checks.append(
         Check(
-            v, "torch", OK,
+            v,
+            "torch",
+            OK,
             f"{torch.__version__}; {'CUDA ' + cuda_build + ' build' if cuda_build else 'CPU build'}; "
             f"{torch.get_num_threads()} threads",
             {"version": torch.__version__, "cuda_build": cuda_build, "threads": torch.get_num_threads()},
@@ -164,10 +177,21 @@ def check_versions() -> list[Check]:
     )
     if devices:
         free_total = [torch.cuda.mem_get_info(i) for i in range(len(devices))]
-        detail = "; ".join(f"cuda:{i} {name} ({f / 2**30:.1f}/{t / 2**30:.1f} GiB free)" for i, (name, (f, t)) in enumerate(zip(devices, free_total)))
+        detail = "; ".join(
+            f"cuda:{i} {name} ({f / 2**30:.1f}/{t / 2**30:.1f} GiB free)"
+            for i, (name, (f, t)) in enumerate(zip(devices, free_total))
+        )
         checks.append(Check(v, "cuda", OK, detail, {"devices": devices}))
     elif cuda_build:
-        checks.append(Check(v, "cuda", SKIPPED, f"torch is a CUDA {cuda_build} build but no GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"))
+        checks.append(
+            Check(
+                v,
+                "cuda",
+                SKIPPED,
+                f"torch is a CUDA {cuda_build} build but no GPU is visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+            )
+        )
     else:
         checks.append(Check(v, "cuda", SKIPPED, "torch is a CPU build: no CUDA"))
 
@@ -175,29 +199,60 @@ def check_versions() -> list[Check]:
         import triton
 
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        mode = "interpreter mode (TRITON_INTERPRET=1)" if interpret else ("compiled" if devices else "needs a CUDA device or TRITON_INTERPRET=1")
-        checks.append(Check(v, "triton", OK, f"{triton.__version__}; {mode}", {"version": triton.__version__, "interpret": interpret}))
+        mode = (
+            "interpreter mode (TRITON_INTERPRET=1)"
+            if interpret
+            else ("compiled" if devices else "needs a CUDA device or TRITON_INTERPRET=1")
+        )
+        checks.append(
+            Check(
+                v,
+                "triton",
+                OK,
+                f"{triton.__version__}; {mode}",
+                {"version": triton.__version__, "interpret": interpret},
+            )
+        )
     except Exception as e:  # noqa: BLE001
-        checks.append(Check(v, "triton", SKIPPED, f"not importable ({one_line(e)}); the triton back end is unavailable"))
+        checks.append(
+            Check(v, "triton", SKIPPED, f"not importable ({one_line(e)}); the triton back end is unavailable")
+        )
 
     from torch.utils.cpp_extension import verify_ninja_availability
 
     try:
         verify_ninja_availability()
-        checks.append(Check(v, "ninja", OK, f"{first_line(run_tool(['ninja', '--version']))} ({shutil.which('ninja')})"))
+        checks.append(
+            Check(v, "ninja", OK, f"{first_line(run_tool(['ninja', '--version']))} ({shutil.which('ninja')})")
+        )
     except Exception as e:  # noqa: BLE001
-        checks.append(Check(v, "ninja", FAILED, f"not available ({one_line(e)}); the cpp/cuda back ends need it: pip install ninja"))
+        checks.append(
+            Check(
+                v, "ninja", FAILED, f"not available ({one_line(e)}); the cpp/cuda back ends need it: pip install ninja"
+            )
+        )
 
     cxx = os.environ.get("CXX", "c++")
     path = shutil.which(cxx)
     if path is None:
-        checks.append(Check(v, "compiler", FAILED, f"{cxx!r} not found on PATH; the cpp back end needs a C++17 compiler (set CXX)"))
+        checks.append(
+            Check(
+                v, "compiler", FAILED, f"{cxx!r} not found on PATH; the cpp back end needs a C++17 compiler (set CXX)"
+            )
+        )
     else:
         try:
             from palestra.kernels.build import cpu_simd_level
 
-            checks.append(Check(v, "compiler", OK, f"{first_line(run_tool([path, '--version']))} ({path}); "
-                                                   f"C++ kernels use the {cpu_simd_level()} loops here"))
+            checks.append(
+                Check(
+                    v,
+                    "compiler",
+                    OK,
+                    f"{first_line(run_tool([path, '--version']))} ({path}); "
+                    f"C++ kernels use the {cpu_simd_level()} loops here",
+                )
+            )
         except Exception as e:  # noqa: BLE001
             checks.append(Check(v, "compiler", FAILED, f"{path} --version failed: {one_line(e)}"))
 
@@ -211,7 +266,14 @@ def check_versions() -> list[Check]:
         except Exception as e:  # noqa: BLE001
             checks.append(Check(v, "nvcc", FAILED if devices else SKIPPED, f"{nvcc} --version failed: {one_line(e)}"))
     else:
-        checks.append(Check(v, "nvcc", FAILED if devices else SKIPPED, "not found (CUDA_HOME unset and no nvcc on PATH); the cuda back end needs it"))
+        checks.append(
+            Check(
+                v,
+                "nvcc",
+                FAILED if devices else SKIPPED,
+                "not found (CUDA_HOME unset and no nvcc on PATH); the cuda back end needs it",
+            )
+        )
     return checks
 
 
@@ -222,6 +284,7 @@ def kernel_cases(device: Any) -> list[tuple[str, Callable[[], Any], Callable[[],
     The truths are written out here, independently of palestra.kernels, so the torch back end is checked too.
     """
     import torch
+
     from palestra import kernels as K
 
     g = torch.Generator().manual_seed(0)
@@ -255,7 +318,8 @@ def kernel_cases(device: Any) -> list[tuple[str, Callable[[], Any], Callable[[],
         r, v, m = rewards.double(), values.double(), mask
         out = torch.zeros_like(r)
         for b in range(r.shape[0]):
-            carry, next_v = 0.0, 0.0
+            carry: float | torch.Tensor = 0.0
+            next_v: float | torch.Tensor = 0.0
             for t in reversed(range(r.shape[1])):
                 if not m[b, t]:
                     continue
@@ -285,7 +349,11 @@ def kernel_cases(device: Any) -> list[tuple[str, Callable[[], Any], Callable[[],
     return [
         ("logprob_entropy", logprob_entropy, logprob_entropy_truth),
         ("gae", lambda: K.gae(rewards, values, mask, 0.9, 0.8)[0], lambda: recursion(0.0, True)),
-        ("discounted_returns", lambda: K.discounted_returns(rewards, mask, 0.9, whiten=False), lambda: recursion(0.9, False)),
+        (
+            "discounted_returns",
+            lambda: K.discounted_returns(rewards, mask, 0.9, whiten=False),
+            lambda: recursion(0.9, False),
+        ),
         ("group_advantages", lambda: K.group_advantages(flat, 4), group_truth),
         ("rloo_advantages", lambda: K.rloo_advantages(flat, 4), rloo_truth),
         ("normalize_rewards", normalize, normalize_truth),
@@ -311,6 +379,7 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
     """Every op on every back end: ``torch`` and ``cpp`` on the CPU, ``cuda`` and ``triton`` on a GPU (or Triton's
     interpreter on the CPU when TRITON_INTERPRET=1)."""
     import torch
+
     from palestra.kernels import KernelBuildError, set_backend
     from palestra.kernels.dispatch import (
         BackendUnavailable,
@@ -319,7 +388,7 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
     )
 
     has_cuda = torch.cuda.is_available()
-    plan = [("torch", "cpu"), ("cpp", "cpu")]
+    plan: list[tuple[str, str | None]] = [("torch", "cpu"), ("cpp", "cpu")]  # (back end, device; None: none fits)
     if has_cuda:
         plan += [("torch", "cuda"), ("cuda", "cuda"), ("triton", "cuda")]
     else:
@@ -329,7 +398,9 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
     try:
         for backend, device in plan:
             if device is None:
-                checks.append(Check("kernels", f"{backend}", SKIPPED, "no CUDA device (torch.cuda.is_available() is False)"))
+                checks.append(
+                    Check("kernels", f"{backend}", SKIPPED, "no CUDA device (torch.cuda.is_available() is False)")
+                )
                 continue
             if backend == "triton" and (reason := triton_available(torch.device(device))):
                 checks.append(Check("kernels", f"{backend}", SKIPPED, reason))
@@ -355,7 +426,9 @@ def check_kernels(tolerance: float = 1e-4) -> list[Check]:
                 detail = f"max rel. error {err:.1e} (tolerance {tolerance:.0e}); {seconds:.2f} s" + (
                     "" if seconds < 2 else " (includes the build)"
                 )
-                checks.append(Check("kernels", name, status, detail, {"max_error": err, "seconds": seconds, "device": device}))
+                checks.append(
+                    Check("kernels", name, status, detail, {"max_error": err, "seconds": seconds, "device": device})
+                )
     finally:
         set_backend(previous)
     return checks
@@ -415,7 +488,9 @@ class UtilisationSampler:
             if thread is not None:
                 thread.join()
             result["seconds"] = wall
-            cpu_s = sum(proc1[:4]) - sum(proc0[:4])  # user + system, of this process and its finished children (a build)
+            cpu_s = sum(proc1[:4]) - sum(
+                proc0[:4]
+            )  # user + system, of this process and its finished children (a build)
             result["process_cores"] = cpu_s / max(wall, 1e-9)
             if cpu0 is not None and cpu1 is not None and cpu1[1] > cpu0[1]:
                 result["machine_cpu_percent"] = 100 * (cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1])
@@ -441,7 +516,11 @@ def describe_utilisation(u: dict[str, Any]) -> str:
     if "machine_cpu_percent" in u:
         parts.append(f"machine CPU {u['machine_cpu_percent']:.0f}% busy")
     if "gpu_percent_mean" in u:
-        parts.append("GPU " + ", ".join(f"{m:.0f}% mean/{x:.0f}% max" for m, x in zip(u["gpu_percent_mean"], u["gpu_percent_max"])) + f" ({u['gpu_source']})")
+        parts.append(
+            "GPU "
+            + ", ".join(f"{m:.0f}% mean/{x:.0f}% max" for m, x in zip(u["gpu_percent_mean"], u["gpu_percent_max"]))
+            + f" ({u['gpu_source']})"
+        )
     return f"over {u['seconds']:.2f} s: " + "; ".join(parts)
 
 
@@ -454,19 +533,39 @@ def sample_utilisation(seconds: float = 1.0) -> list[Check]:
         time.sleep(seconds)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     if "machine_cpu_percent" in u:
-        detail = f"{u['machine_cpu_percent']:.0f}% of {os.cpu_count()} cores busy over {u['seconds']:.1f} s (other processes)"
+        detail = (
+            f"{u['machine_cpu_percent']:.0f}% of {os.cpu_count()} cores busy over {u['seconds']:.1f} s"
+            " (other processes)"
+        )
         if load:
             detail += f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         checks.append(Check("utilisation", "cpu", OK, detail, {**u, "load_average": load, "cores": os.cpu_count()}))
     else:
-        checks.append(Check("utilisation", "cpu", SKIPPED, "no /proc/stat on this system" + (f"; load average {load[0]:.2f}" if load else "")))
+        checks.append(
+            Check(
+                "utilisation",
+                "cpu",
+                SKIPPED,
+                "no /proc/stat on this system" + (f"; load average {load[0]:.2f}" if load else ""),
+            )
+        )
     if not torch.cuda.is_available():
         checks.append(Check("utilisation", "gpu", SKIPPED, "no CUDA device"))
     elif "gpu_percent_mean" in u:
         pct = ", ".join(f"cuda:{i} {m:.0f}%" for i, m in enumerate(u["gpu_percent_mean"]))
-        checks.append(Check("utilisation", "gpu", OK, f"{pct} busy over {u['seconds']:.1f} s (other processes; {u['gpu_source']})", u))
+        checks.append(
+            Check(
+                "utilisation",
+                "gpu",
+                OK,
+                f"{pct} busy over {u['seconds']:.1f} s (other processes; {u['gpu_source']})",
+                u,
+            )
+        )
     else:
-        checks.append(Check("utilisation", "gpu", SKIPPED, "neither NVML (pip install nvidia-ml-py) nor nvidia-smi answered"))
+        checks.append(
+            Check("utilisation", "gpu", SKIPPED, "neither NVML (pip install nvidia-ml-py) nor nvidia-smi answered")
+        )
     return checks
 
 
@@ -480,11 +579,22 @@ class TimedEnvironment:
         self.seconds = {"reset": 0.0, "step": 0.0}
         self.steps = 0
 
+    # The wrapped environment's, read and written through, so the wrapper is an Environment too.
+    @property
+    def agent_ids(self) -> tuple[str, ...]:
+        return self.env.agent_ids
+
+    @agent_ids.setter
+    def agent_ids(self, value: tuple[str, ...]) -> None:
+        self.env.agent_ids = value
+
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> Any:
         from palestra.engine.watchdog import call_with_timeout
 
         started = time.perf_counter()
-        out = call_with_timeout(lambda: self.env.reset(batch_size, seed=seed, group_size=group_size), self.timeout_s, "environment.reset")
+        out = call_with_timeout(
+            lambda: self.env.reset(batch_size, seed=seed, group_size=group_size), self.timeout_s, "environment.reset"
+        )
         self.seconds["reset"] += time.perf_counter() - started
         return out
 
@@ -515,10 +625,19 @@ def check_data(config: Config) -> list[Check]:
     limit = f"train.data_timeout_s={t.data_timeout_s:g}" if t.data_timeout_s is not None else "no train.data_timeout_s"
     checks.append(
         Check(
-            "data", f"environment {config.environment.name}", OK,
-            f"{rows} episodes: reset {env.seconds['reset'] * 1e3:.1f} ms, {env.steps} step(s) {env.seconds['step'] * 1e3:.1f} ms "
+            "data",
+            f"environment {config.environment.name}",
+            OK,
+            f"{rows} episodes: reset {env.seconds['reset'] * 1e3:.1f} ms, {env.steps} step(s) "
+            f"{env.seconds['step'] * 1e3:.1f} ms "
             f"(build {build_s * 1e3:.0f} ms; {limit})",
-            {"episodes": rows, "reset_s": env.seconds["reset"], "step_s": env.seconds["step"], "steps": env.steps, "build_s": build_s},
+            {
+                "episodes": rows,
+                "reset_s": env.seconds["reset"],
+                "step_s": env.seconds["step"],
+                "steps": env.steps,
+                "build_s": build_s,
+            },
         )
     )
     started = time.perf_counter()
@@ -527,7 +646,9 @@ def check_data(config: Config) -> list[Check]:
     scores = scored.scores.float()
     checks.append(
         Check(
-            "data", f"reward {config.reward.name}", OK,
+            "data",
+            f"reward {config.reward.name}",
+            OK,
             f"{rows} rows (empty completions) in {reward_s * 1e3:.1f} ms; mean {float(scores.mean()):.3f}",
             {"rows": rows, "seconds": reward_s, "mean": float(scores.mean())},
         )
@@ -576,7 +697,9 @@ class GradientRecorder:
     def groups(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for name, size in self.sizes.items():
-            g = out.setdefault(parameter_group(name), {"params": 0, "tensors": 0, "sq": 0.0, "nonfinite": False, "reached": 0})
+            g = out.setdefault(
+                parameter_group(name), {"params": 0, "tensors": 0, "sq": 0.0, "nonfinite": False, "reached": 0}
+            )
             g["params"] += size
             g["tensors"] += 1
             if name in self.norms:
@@ -610,6 +733,7 @@ class PreparedBatch:
 def check_training(config: Config, threshold: float) -> list[Check]:
     """Build the Trainer exactly as ``palestra train`` does and run one step, recording gradients and utilisation."""
     import torch
+
     from palestra.engine.trainer import Trainer
 
     checks: list[Check] = []
@@ -633,14 +757,25 @@ def check_training(config: Config, threshold: float) -> list[Check]:
     cause = skip_cause(reasons)
     checks.append(
         Check(
-            "training", "step", FAILED if skipped else OK,
+            "training",
+            "step",
+            FAILED if skipped else OK,
             f"{config.optimizer.name} on {config.policy.name} ({sum(recorder.sizes.values()):,} trainable parameters), "
-            f"{config.train.batch_size}x{config.train.group_size} rows: {metrics.get('perf/step_s', u['seconds']):.2f} s "
+            f"{config.train.batch_size}x{config.train.group_size} "
+            f"rows: {metrics.get('perf/step_s', u['seconds']):.2f} s "
             f"(build {build_s:.2f} s, kernels {warmup_s:.2f} s)"
-            + (f"; the step was SKIPPED (no update): {cause}" if skipped else
-               f"; loss {metrics.get('loss', math.nan):.4g}, reward {metrics.get('reward/mean', math.nan):.3f}, "
-               f"grad norm {metrics.get('grad/norm', math.nan):.3g}"),
-            {"metrics": metrics, "build_s": build_s, "kernel_warmup_s": warmup_s, **({"skipped_because": cause} if skipped else {})},
+            + (
+                f"; the step was SKIPPED (no update): {cause}"
+                if skipped
+                else f"; loss {metrics.get('loss', math.nan):.4g}, reward {metrics.get('reward/mean', math.nan):.3f}, "
+                f"grad norm {metrics.get('grad/norm', math.nan):.3g}"
+            ),
+            {
+                "metrics": metrics,
+                "build_s": build_s,
+                "kernel_warmup_s": warmup_s,
+                **({"skipped_because": cause} if skipped else {}),
+            },
         )
     )
     checks.append(Check("training", "utilisation", OK, describe_utilisation(u), u))
@@ -651,8 +786,15 @@ def check_training(config: Config, threshold: float) -> list[Check]:
         # above is the finding. Groups whose gradient was already NaN/inf do locate a bad backward, so name them.
         bad = [name for name, g in groups.items() if g["nonfinite"]]
         where = f"; NaN/inf gradients in {', '.join(bad)}" if bad else ""
-        checks.append(Check("training", "gradient flow", SKIPPED, f"not checked: the step was skipped (see training/step){where}",
-                            {"nonfinite_groups": bad}))
+        checks.append(
+            Check(
+                "training",
+                "gradient flow",
+                SKIPPED,
+                f"not checked: the step was skipped (see training/step){where}",
+                {"nonfinite_groups": bad},
+            )
+        )
         return checks
     flat_zero = [name for name, g in groups.items() if g["reached"] == 0 or g["sq"] == 0.0]
     for name, g in groups.items():
@@ -670,7 +812,10 @@ def check_training(config: Config, threshold: float) -> list[Check]:
         detail = f"grad norm {norm:.3e} over {g['params']:,} parameters ({tensors})"
         checks.append(
             Check(
-                "training", f"grads/{name}", FAILED if flags else OK, detail + ("; " + ", ".join(flags) if flags else ""),
+                "training",
+                f"grads/{name}",
+                FAILED if flags else OK,
+                detail + ("; " + ", ".join(flags) if flags else ""),
                 {"group": name, "grad_norm": norm, "params": g["params"], "tensors": g["tensors"], "flags": flags},
             )
         )
@@ -726,6 +871,13 @@ def zero_gradient_hint(batch: Any, torch: Any) -> str:
     adv = batch.advantages
     if adv is not None and float(adv.abs().max()) == 0.0:
         rewards = batch.rewards.float()
-        spread = "every reward in the batch is equal" if float(rewards.max() - rewards.min()) == 0 else "rewards are equal within each group"
-        return f"{msg}: all advantages are 0 ({spread}, reward {float(rewards.mean()):.3g}); check the reward and the entropy/KL terms"
+        spread = (
+            "every reward in the batch is equal"
+            if float(rewards.max() - rewards.min()) == 0
+            else "rewards are equal within each group"
+        )
+        return (
+            f"{msg}: all advantages are 0 ({spread}, reward {float(rewards.mean()):.3g});"
+            " check the reward and the entropy/KL terms"
+        )
     return msg

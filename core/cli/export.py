@@ -41,12 +41,21 @@ class ExportError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by palestra train")
-    parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created; must not hold files)")
-    parser.add_argument("--checkpoint", metavar="PATH",
-                        help="export this checkpoint (a path, or one relative to RUN_DIR) instead of the newest one")
-    parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=None,
-                        help="LoRA runs: fold the adapters into the weights (the default) or, with --no-merge-lora, "
-                             "write the base model plus the peft adapter; a note when the policy has no adapters")
+    parser.add_argument(
+        "--out", metavar="DIR", required=True, help="the folder to write (created; must not hold files)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="export this checkpoint (a path, or one relative to RUN_DIR) instead of the newest one",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="LoRA runs: fold the adapters into the weights (the default) or, with --no-merge-lora, "
+        "write the base model plus the peft adapter; a note when the policy has no adapters",
+    )
     parser.add_argument("--force", action="store_true", help="replace an --out folder that already holds files")
 
 
@@ -61,11 +70,20 @@ def run(args: argparse.Namespace) -> int:
     merge = True if args.merge_lora is None else args.merge_lora
     if args.merge_lora is not None and not any(has_adapters(m) for m in export_targets(policy).values()):
         flag = "--merge-lora" if args.merge_lora else "--no-merge-lora"
-        print(f"palestra export: note: policy {config.policy.name!r} has no LoRA adapters, so {flag} changes nothing; "
-              "the full model is written", file=sys.stderr)
-    provenance = {"run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()), "step": int(state["step"]),
-                  "run_id": state.get("run_id")}
-    write_export(policy, out, policy_name=config.policy.name, merge_lora=merge, provenance=provenance, replace=args.force)
+        print(
+            f"palestra export: note: policy {config.policy.name!r} has no LoRA adapters, so {flag} changes nothing; "
+            "the full model is written",
+            file=sys.stderr,
+        )
+    provenance = {
+        "run_dir": str(run_dir.resolve()),
+        "checkpoint": str(path.resolve()),
+        "step": int(state["step"]),
+        "run_id": state.get("run_id"),
+    }
+    write_export(
+        policy, out, policy_name=config.policy.name, merge_lora=merge, provenance=provenance, replace=args.force
+    )
     print(describe_export(out, run=f"{run_dir} step {int(state['step'])}"))
     return 0
 
@@ -79,8 +97,14 @@ def check_run_dir(run_dir: Path) -> None:
         raise ExportError(f"RUN_DIR: run directory {str(run_dir)!r} does not exist")
 
 
-def check_out_dir(out: Path, *, force: bool, run_dir: Path | None = None, key: str = "--out",
-                  remedy: str = "name a new folder, or pass --force to replace it") -> None:
+def check_out_dir(
+    out: Path,
+    *,
+    force: bool,
+    run_dir: Path | None = None,
+    key: str = "--out",
+    remedy: str = "name a new folder, or pass --force to replace it",
+) -> None:
     """One line (naming ``key``, suggesting ``remedy``) unless ``out`` can receive an export: absent or empty, or
     (``force``) a folder to replace that is neither the run directory, nor a folder holding it, nor the working
     directory or a parent of it."""
@@ -120,9 +144,11 @@ def pick_checkpoint(run_dir: Path, named: str | None) -> tuple[Path, dict[str, A
             raise ExportError(f"--checkpoint: {named!r} is not a file (looked as given and inside {run_dir})")
         return path, ckpt.load_checkpoint(path)
     if not ckpt.list_step_checkpoints(run_dir) and not (run_dir / ckpt.FINAL_NAME).is_file():
-        raise ExportError(f"RUN_DIR: {str(run_dir)!r} holds no checkpoint ({ckpt.FINAL_NAME} or "
-                          f"{ckpt.CHECKPOINT_DIR}/step-*.pt); a run writes {ckpt.FINAL_NAME} when training ends "
-                          "and step files every train.save_every steps")
+        raise ExportError(
+            f"RUN_DIR: {str(run_dir)!r} holds no checkpoint ({ckpt.FINAL_NAME} or "
+            f"{ckpt.CHECKPOINT_DIR}/step-*.pt); a run writes {ckpt.FINAL_NAME} when training ends "
+            "and step files every train.save_every steps"
+        )
     try:
         point = ckpt.resume_point(run_dir)
     except (ckpt.CheckpointError, FileNotFoundError) as e:  # worded for --resume: say it for this command
@@ -176,8 +202,9 @@ def export_targets(policy: Any) -> dict[str, Any]:
     return dict(policy.views.items())
 
 
-def write_export(policy: Any, out: Path, *, policy_name: str, merge_lora: bool, provenance: dict[str, Any],
-                 replace: bool) -> Path:
+def write_export(
+    policy: Any, out: Path, *, policy_name: str, merge_lora: bool, provenance: dict[str, Any], replace: bool
+) -> Path:
     """Write ``policy`` (every model of it, see :func:`export_targets`) into ``out`` atomically: into a hidden sibling
     folder first, renamed into place when complete; ``replace`` swaps out an existing folder the same way."""
     targets = export_targets(policy)
@@ -190,10 +217,14 @@ def write_export(policy: Any, out: Path, *, policy_name: str, merge_lora: bool, 
             folder = tmp / sub if sub else tmp
             folder.mkdir(exist_ok=True)
             _save(model, folder, policy_name=policy_name, merge_lora=merge_lora)
-        record = {**provenance, "policy": policy_name, "merge_lora": merge_lora,
-                  "adapters": any(has_adapters(m) for m in targets.values()),
-                  "models": sorted(targets) if len(targets) > 1 else None,
-                  "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        record = {
+            **provenance,
+            "policy": policy_name,
+            "merge_lora": merge_lora,
+            "adapters": any(has_adapters(m) for m in targets.values()),
+            "models": sorted(targets) if len(targets) > 1 else None,
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         _repoint_adapters(tmp, out)
         _swap_into_place(tmp, out, replace=replace)
@@ -206,16 +237,19 @@ def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> N
     from palestra.types import Exportable
 
     if not isinstance(policy, Exportable):
-        raise ExportError(f"policy {policy_name!r} ({type(policy).__name__}) has no save_pretrained(folder, *, "
-                          "merge_lora): it cannot be exported")
+        raise ExportError(
+            f"policy {policy_name!r} ({type(policy).__name__}) has no save_pretrained(folder, *, "
+            "merge_lora): it cannot be exported"
+        )
     import torch
 
     try:
         with torch.no_grad(), _quiet_progress_bars():
             policy.save_pretrained(folder, merge_lora=merge_lora)
     except ModuleNotFoundError as e:
-        raise ExportError(f"exporting policy {policy_name!r} needs the {e.name} package; "
-                          "pip install 'palestra[hf]'") from None
+        raise ExportError(
+            f"exporting policy {policy_name!r} needs the {e.name} package; pip install 'palestra[hf]'"
+        ) from None
 
 
 @contextlib.contextmanager

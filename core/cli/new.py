@@ -36,25 +36,49 @@ class Scaffold:
 
 
 SCAFFOLDS: dict[str, Scaffold] = {
-    "environment": Scaffold("register_environments", (("environment", "the environment"),), "${cls}Environment", "${cls}EnvironmentOptions",
-                            "copy a number: one agent, one turn, the answer in metadata['answer']",
-                            "copy a number (one agent, one turn); the answer goes in `metadata['answer']`"),
-    "reward": Scaffold("register_rewards", (("reward", "the reward"),), "${cls}Reward", "${cls}RewardOptions",
-                       "1 when the completion is metadata['answer'], partial when it contains it",
-                       "1 when the completion is the expected answer (`metadata['answer']`), `partial` when it contains it"),
-    "optimizer": Scaffold("register_optimizers", (("optimizer", "the optimiser"),), "${cls}Optimizer", "${cls}OptimizerOptions",
-                          "REINFORCE with a group baseline on palestra's learner loop",
-                          "REINFORCE with a group baseline, on palestra's learner loop (`palestra.Algorithm`)"),
-    "policy": Scaffold("register_policies", (("policy", "the policy's options and factory"), ("bigram", "the policy's model")),
-                       "build_policy", "${cls}PolicyOptions",
-                       "a bigram language model over UTF-8 bytes",
-                       "a bigram language model over UTF-8 bytes (`palestra.CausalLMPolicy`)"),
-    "logger": Scaffold("register_loggers", (("logger", "the logger"),), "${cls}Logger", "${cls}LoggerOptions",
-                       "tab-separated step/key/value lines in <run_dir>/${name}.tsv",
-                       "tab-separated `step key value` lines in `<run_dir>/${name}.tsv`"),
+    "environment": Scaffold(
+        "register_environments",
+        (("environment", "the environment"),),
+        "${cls}Environment",
+        "${cls}EnvironmentOptions",
+        "copy a number: one agent, one turn, the answer in metadata['answer']",
+        "copy a number (one agent, one turn); the answer goes in `metadata['answer']`",
+    ),
+    "reward": Scaffold(
+        "register_rewards",
+        (("reward", "the reward"),),
+        "${cls}Reward",
+        "${cls}RewardOptions",
+        "1 when the completion is metadata['answer'], partial when it contains it",
+        "1 when the completion is the expected answer (`metadata['answer']`), `partial` when it contains it",
+    ),
+    "optimizer": Scaffold(
+        "register_optimizers",
+        (("optimizer", "the optimiser"),),
+        "${cls}Optimizer",
+        "${cls}OptimizerOptions",
+        "REINFORCE with a group baseline on palestra's learner loop",
+        "REINFORCE with a group baseline, on palestra's learner loop (`palestra.Algorithm`)",
+    ),
+    "policy": Scaffold(
+        "register_policies",
+        (("policy", "the policy's options and factory"), ("bigram", "the policy's model")),
+        "build_policy",
+        "${cls}PolicyOptions",
+        "a bigram language model over UTF-8 bytes",
+        "a bigram language model over UTF-8 bytes (`palestra.CausalLMPolicy`)",
+    ),
+    "logger": Scaffold(
+        "register_loggers",
+        (("logger", "the logger"),),
+        "${cls}Logger",
+        "${cls}LoggerOptions",
+        "tab-separated step/key/value lines in <run_dir>/${name}.tsv",
+        "tab-separated `step key value` lines in `<run_dir>/${name}.tsv`",
+    ),
 }
 
-HOOK = '''
+HOOK = """
 
 @hookimpl
 def ${hook}(register):
@@ -62,21 +86,31 @@ def ${hook}(register):
     from .${module} import ${factory}, ${options}
 
     register("${name}", ${factory}, options=${options}, description="${description}")
-'''
+"""
 
-TEST = '''
+TEST = """
 
 def test_the_${kind}_keeps_the_contract(palestra_contract):
     palestra_contract("${kind}", "${name}"${settings})
-'''
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["plugin"], help="what to create: a plugin package")
-    parser.add_argument("name", metavar="NAME", help="the plugin's module name, a Python identifier; each component is registered under it")
-    parser.add_argument("--kinds", default="reward,environment", metavar="KIND[,KIND...]",
-                        help=f"the components to write, one of each (default: reward,environment; kinds: {', '.join(SCAFFOLDS)})")
-    parser.add_argument("--dir", default=".", help="the folder to create the package folder NAME in (default: the current directory)")
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="the plugin's module name, a Python identifier; each component is registered under it",
+    )
+    parser.add_argument(
+        "--kinds",
+        default="reward,environment",
+        metavar="KIND[,KIND...]",
+        help=f"the components to write, one of each (default: reward,environment; kinds: {', '.join(SCAFFOLDS)})",
+    )
+    parser.add_argument(
+        "--dir", default=".", help="the folder to create the package folder NAME in (default: the current directory)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,8 +163,10 @@ def check_name(name: str, target: Path, kinds: list[str]) -> None:
     for kind in kinds:
         if (kind, name) in registry:
             reg = registry.get(kind, name)
-            raise UsageError(f"NAME {name!r}: {kind} {name!r} is already registered by plugin {reg.plugin!r} "
-                             f"(distribution {reg.distribution!r}); pick another name")
+            raise UsageError(
+                f"NAME {name!r}: {kind} {name!r} is already registered by plugin {reg.plugin!r} "
+                f"(distribution {reg.distribution!r}); pick another name"
+            )
 
 
 # ---- writing the package ---------------------------------------------------------------------------------
@@ -151,10 +187,17 @@ def render(name: str, kinds: list[str]) -> dict[str, str]:
     }
     values["hooks"] = "".join(_fill(HOOK, values, kind) for kind in kinds)
     values["tests"] = "".join(_fill(TEST, values, kind, settings=_test_settings(kind, name, kinds)) for kind in kinds)
-    values["table"] = "\n".join(f"| {kind} | `{name}` | {_fill(SCAFFOLDS[kind].table, values, kind)} |" for kind in kinds)
-    values["files"] = "".join(f"| `{name}/{m}.py` | {what} |\n" for kind in kinds for m, what in SCAFFOLDS[kind].modules)
-    values["train"] = "palestra train train.steps=100 " + " ".join(f"{_config_key(kind)}.name={name}" for kind in kinds if kind != "logger") \
+    values["table"] = "\n".join(
+        f"| {kind} | `{name}` | {_fill(SCAFFOLDS[kind].table, values, kind)} |" for kind in kinds
+    )
+    values["files"] = "".join(
+        f"| `{name}/{m}.py` | {what} |\n" for kind in kinds for m, what in SCAFFOLDS[kind].modules
+    )
+    values["train"] = (
+        "palestra train train.steps=100 "
+        + " ".join(f"{_config_key(kind)}.name={name}" for kind in kinds if kind != "logger")
         + (f" 'loggers=[{{name: {name}}}]'" if "logger" in kinds else "")
+    )
     files = {
         "pyproject.toml": _template("pyproject.toml", values),
         "README.md": _template("README.md", values),

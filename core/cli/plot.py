@@ -9,8 +9,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl (or the .jsonl file itself)")
-    parser.add_argument("--out", metavar="FILE", default=None, help="where to write the PNG (default: RUN_DIR/dashboard.png)")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl (or the .jsonl file itself)"
+    )
+    parser.add_argument(
+        "--out", metavar="FILE", default=None, help="where to write the PNG (default: RUN_DIR/dashboard.png)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

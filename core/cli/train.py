@@ -33,17 +33,29 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="a .yaml/.yml/.toml config (default: the built-in task)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start again in a run directory that holds a run, deleting that run's files first")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again in a run directory that holds a run, deleting that run's files first",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides such as train.lr=3e-4")
 
 
 # What `--resume` lets you change: extend the run (train.steps; the LR schedule is recomputed for the new length)
 # and how it saves, logs, evaluates, times out and exports. Anything else would continue a different run.
 RESUMABLE_KEYS = (
-    "train.steps", "train.save_every", "train.keep_checkpoints", "train.log_every", "train.eval_every",
-    "train.step_timeout_s", "train.data_timeout_s", "train.max_bad_steps", "distributed.timeout_s",
-    "train.export", "train.export_dir", "train.export_merge_lora",
+    "train.steps",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.eval_every",
+    "train.step_timeout_s",
+    "train.data_timeout_s",
+    "train.max_bad_steps",
+    "distributed.timeout_s",
+    "train.export",
+    "train.export_dir",
+    "train.export_merge_lora",
 )
 
 
@@ -62,13 +74,17 @@ def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, ResumePoi
         keys, value = parse_override(item)
         dotted = ".".join(str(k) for k in keys)
         if dotted not in RESUMABLE_KEYS:
-            raise ConfigError(f"{dotted}: cannot be changed with --resume (the run continues with its saved config); "
-                              f"allowed: {', '.join(RESUMABLE_KEYS)}")
+            raise ConfigError(
+                f"{dotted}: cannot be changed with --resume (the run continues with its saved config); "
+                f"allowed: {', '.join(RESUMABLE_KEYS)}"
+            )
         _set_path(raw, keys, value)
     config = validate_config(raw)
     if config.train.steps < point.step:
-        raise ConfigError(f"train.steps: {config.train.steps} is below step {point.step} of {point.path}; a resumed run "
-                          f"cannot be shortened (pass train.steps={point.step} or more)")
+        raise ConfigError(
+            f"train.steps: {config.train.steps} is below step {point.step} of {point.path}; a resumed run "
+            f"cannot be shortened (pass train.steps={point.step} or more)"
+        )
     return config, point
 
 
@@ -137,8 +153,10 @@ def run(args: argparse.Namespace) -> int:
             for line in summary(config):
                 print(line)
             if trainer.dist.enabled:
-                print(f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
-                      f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank")
+                print(
+                    f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
+                    f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank"
+                )
         point = None  # the loaded state is in the trainer now: let it go
         try:
             result, code = trainer.train(), 0
@@ -181,15 +199,22 @@ def check_export(config: Config, run_dir: Path, *, overwrite: bool, run_id: str 
     if not config.train.export:
         return
     if importlib.util.find_spec("transformers") is None:
-        raise ConfigError("train.export: writing a transformers folder needs transformers; pip install 'palestra[hf]' "
-                          "(or set train.export=false)")
+        raise ConfigError(
+            "train.export: writing a transformers folder needs transformers; pip install 'palestra[hf]' "
+            "(or set train.export=false)"
+        )
     out = export_path(config, run_dir)
     if overwrite and run_dir.resolve() in out.resolve().parents:
         return  # --overwrite deletes the run directory, and the folder with it
     if run_id is not None and is_export_of(out, run_id):
         return  # a resumed run replaces its own earlier export
-    check_out_dir(out, force=False, run_dir=run_dir, key="train.export_dir",
-                  remedy="set train.export_dir to a new folder, or delete that one")
+    check_out_dir(
+        out,
+        force=False,
+        run_dir=run_dir,
+        key="train.export_dir",
+        remedy="set train.export_dir to a new folder, or delete that one",
+    )
 
 
 def export_at_end(trainer: Trainer, run_dir: Path) -> str:
@@ -200,14 +225,26 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
 
     config = trainer.config
     out = export_path(config, run_dir)
-    provenance = {"run_dir": str(run_dir.resolve()), "checkpoint": str((run_dir / FINAL_NAME).resolve()),
-                  "step": trainer.step_index, "run_id": trainer.run_id}
+    provenance = {
+        "run_dir": str(run_dir.resolve()),
+        "checkpoint": str((run_dir / FINAL_NAME).resolve()),
+        "step": trainer.step_index,
+        "run_id": trainer.run_id,
+    }
     try:
-        write_export(trainer.policy, out, policy_name=config.policy.name, merge_lora=config.train.export_merge_lora,
-                     provenance=provenance, replace=is_export_of(out, trainer.run_id))
+        write_export(
+            trainer.policy,
+            out,
+            policy_name=config.policy.name,
+            merge_lora=config.train.export_merge_lora,
+            provenance=provenance,
+            replace=is_export_of(out, trainer.run_id),
+        )
     except OSError as e:  # a full disk, say: the run itself is saved, so say how to export it again
-        raise ExportError(f"train.export: writing {out} failed ({e}); the trained run is saved in {run_dir}: "
-                          f"palestra export {run_dir} --out DIR writes it") from None
+        raise ExportError(
+            f"train.export: writing {out} failed ({e}); the trained run is saved in {run_dir}: "
+            f"palestra export {run_dir} --out DIR writes it"
+        ) from None
     return describe_export(out, run=f"{run_dir} step {trainer.step_index}")
 
 
@@ -235,9 +272,11 @@ def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tup
     trainer = Trainer(config, run_dir=run_dir)
     try:
         if config.train.export and trainer.dist.fsdp:
-            raise ConfigError("train.export: the policy's weights are sharded across ranks under "
-                              "distributed.strategy=fsdp; set train.export=false and run palestra export RUN_DIR "
-                              "--out DIR after training")
+            raise ConfigError(
+                "train.export: the policy's weights are sharded across ranks under "
+                "distributed.strategy=fsdp; set train.export=false and run palestra export RUN_DIR "
+                "--out DIR after training"
+            )
         if point is not None:
             trainer.load_state(point.state, source=point.path)
         # Rank 0 alone touches the directory, and only now: under torchrun the other ranks have checked it (above)

@@ -24,8 +24,9 @@ The modules: :mod:`.schema` (the tree and the default run), :mod:`.validation` (
 imported by the commands that train, since it needs torch).
 """
 
-from .building import RunComponents, build_component, build_run
 from palestra.errors import ComponentBuildError, ConfigError, OptionError
+
+from .building import RunComponents, build_component, build_run
 from .loading import _set_path as _set_path  # re-exported: palestra.cli.train applies its overrides with it
 from .loading import load_config, parse_override, read_config_file, validate_config
 from .schema import (
@@ -63,9 +64,9 @@ __all__ = [
     "OptionError",
     "PolicySpec",
     "RewardSpec",
+    "RunComponents",
     "RunConfig",
     "TrainConfig",
-    "RunComponents",
     "build_component",
     "build_run",
     "check_options",

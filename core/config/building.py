@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from palestra.checked_reward import CheckedReward
+from palestra.errors import ComponentBuildError, ConfigError
 from palestra.registry import Registry
 
-from palestra.errors import ComponentBuildError, ConfigError
-from .schema import ComponentSpec, SPEC_TYPES
+from .schema import SPEC_TYPES, ComponentSpec
 from .validation import _ACTIVE_REGISTRY, _convert, _init_fields, _lookup, default_registry, to_plain
 
 if TYPE_CHECKING:
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from .schema import Config
 
 
-def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path: str, registry: Registry | None = None) -> Any:
+def build_component(
+    kind: str, spec: ComponentSpec | Mapping[str, Any], *, path: str, registry: Registry | None = None
+) -> Any:
     """Build the registered ``kind`` component that the config node ``spec`` names, with its validated options.
 
     ``spec`` is a validated :class:`ComponentSpec` (from :func:`load_config`) or plain ``{name, options}``
@@ -40,7 +42,7 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
     registry = registry or _ACTIVE_REGISTRY.get() or default_registry()
     token = _ACTIVE_REGISTRY.set(registry)
     try:
-        if not (isinstance(spec, ComponentSpec) and spec.path and spec.KIND == kind):
+        if not (isinstance(spec, ComponentSpec) and spec.path and kind == spec.KIND):
             spec = _convert(to_plain(spec), SPEC_TYPES[kind], path)
         assert isinstance(spec, ComponentSpec)
         reg = _lookup(registry, kind, spec.name, path)
@@ -52,7 +54,9 @@ def build_component(kind: str, spec: ComponentSpec | Mapping[str, Any], *, path:
             raise
         except Exception as e:
             who = f"plugin {reg.plugin!r}" + (f", distribution {reg.distribution!r}" if reg.distribution else "")
-            raise ComponentBuildError(f"{path}: building {kind} {spec.name!r} ({who}) failed: {type(e).__name__}: {e}") from e
+            raise ComponentBuildError(
+                f"{path}: building {kind} {spec.name!r} ({who}) failed: {type(e).__name__}: {e}"
+            ) from e
     finally:
         _ACTIVE_REGISTRY.reset(token)
     if kind == "reward" and not isinstance(component, CheckedReward):
@@ -101,8 +105,11 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     set_backend(config.kernels.backend)
     env = build_component("environment", config.environment, path="environment")
     # A data set's own held-out split when it keeps one; else a second instance (evaluated on held-out seeds).
-    eval_env = (env.held_out() if isinstance(env, HeldOutSplit)
-                else build_component("environment", config.environment, path="environment"))
+    eval_env = (
+        env.held_out()
+        if isinstance(env, HeldOutSplit)
+        else build_component("environment", config.environment, path="environment")
+    )
     reward = build_component("reward", config.reward, path="reward")
     # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
     specs = config.loggers if dist.is_main else []
@@ -115,13 +122,18 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     # per-agent views sharing agents.shared_layers; unchanged when config.agents is None
     policy = wrap_policy(policy, config.agents, env, algorithm)
     if isinstance(policy, AdapterPolicy) and dist.fsdp:
-        raise ConfigError("distributed.strategy: fsdp is not supported for a policy that trains adapters (LoRA, "
-                          f"policy {config.policy.name!r}); use ddp: only the adapters' gradients are averaged")
+        raise ConfigError(
+            "distributed.strategy: fsdp is not supported for a policy that trains adapters (LoRA, "
+            f"policy {config.policy.name!r}); use ddp: only the adapters' gradients are averaged"
+        )
     reference = None
     if algorithm.needs_reference:
         # LoRA: the frozen base (the policy with its adapters disabled) is the reference; no second copy
-        reference = (policy.base_reference() if isinstance(policy, AdapterPolicy)
-                     else copy.deepcopy(policy).eval().requires_grad_(False))
+        reference = (
+            policy.base_reference()
+            if isinstance(policy, AdapterPolicy)
+            else copy.deepcopy(policy).eval().requires_grad_(False)
+        )
     dist.shard(policy)  # FSDP2 (distributed.strategy=fsdp); a no-op otherwise
     # Everything the learner needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
     context = TrainContext.for_run(config, dist)

@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
+from palestra.errors import ConfigError
 from palestra.registry import Registry
 
-from palestra.errors import ConfigError
 from .schema import Config
 from .validation import _ACTIVE_REGISTRY, _convert, _join, _kind_of, _Override, default_registry, to_plain
 
@@ -58,7 +58,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in CONFIG_SUFFIXES:
-        raise ConfigError(f"config file {str(p)!r}: unknown format {suffix or '(no suffix)'!r}; use .yaml, .yml or .toml")
+        raise ConfigError(
+            f"config file {str(p)!r}: unknown format {suffix or '(no suffix)'!r}; use .yaml, .yml or .toml"
+        )
     try:
         data_bytes = p.read_bytes()
     except FileNotFoundError:
@@ -79,7 +81,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             try:
                 import tomli as tomllib
             except ModuleNotFoundError:
-                raise ConfigError(f"config file {str(p)!r}: reading TOML needs Python 3.11+ or the tomli package") from None
+                raise ConfigError(
+                    f"config file {str(p)!r}: reading TOML needs Python 3.11+ or the tomli package"
+                ) from None
         try:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -170,7 +174,9 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     if not sep or not key:
         raise ConfigError(f"override {text!r}: expected key=value (for example train.lr=3e-4)")
     if not _OVERRIDE_KEY.match(key):
-        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key (for example reward.options.layers[1].weight)")
+        raise ConfigError(
+            f"override {text!r}: {key!r} is not a dotted key (for example reward.options.layers[1].weight)"
+        )
     keys: list[str | int] = []
     for part in key.split("."):
         name, *indices = re.split(r"\[", part)
@@ -244,7 +250,9 @@ def _renames_component(raw: dict[str, Any], keys: list[str | int], value: Any) -
     return isinstance(old, str) and old != value.text
 
 
-def _reset_options(raw: dict[str, Any], node_keys: list[str | int], applied: Sequence[tuple[list[str | int], Any]]) -> None:
+def _reset_options(
+    raw: dict[str, Any], node_keys: list[str | int], applied: Sequence[tuple[list[str | int], Any]]
+) -> None:
     """Start a renamed component's options from the new component's defaults.
 
     The options the file or the built-in default gave were written for the component named before (the
@@ -263,5 +271,3 @@ def _format_path(keys: Sequence[str | int]) -> str:
     for key in keys:
         out = f"{out}[{key}]" if isinstance(key, int) else _join(out, key)
     return out
-
-

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from palestra.errors import ConfigError
+
 from .schema import Config, TrainConfig
 
 __all__ = ["preflight", "resolve_device", "rollout_bytes_floor"]
@@ -59,7 +60,9 @@ def resolve_device(spec: str) -> torch.device:
     if dev.type == "cuda":
         if not cuda:
             why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
-            raise ConfigError(f"train.device: {spec!r} needs a CUDA GPU, but CUDA is not available ({why}); use auto or cpu")
+            raise ConfigError(
+                f"train.device: {spec!r} needs a CUDA GPU, but CUDA is not available ({why}); use auto or cpu"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             visible = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
@@ -73,7 +76,9 @@ def resolve_device(spec: str) -> torch.device:
                 )
             dev = torch.device("cuda", local_rank)
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("train.device: 'mps' needs Apple's Metal GPU, which this machine or torch build lacks; use auto or cpu")
+        raise ConfigError(
+            "train.device: 'mps' needs Apple's Metal GPU, which this machine or torch build lacks; use auto or cpu"
+        )
     return dev
 
 
@@ -102,7 +107,9 @@ def check_writable_folder(path: Path, culprit: str) -> None:
         resolved = path.absolute()
     for fs in KERNEL_FILE_SYSTEMS:
         if resolved == fs or fs in resolved.parents:
-            raise ConfigError(f"{culprit}: {shown} is under {fs}, the kernel's own file system; choose a folder on a disk")
+            raise ConfigError(
+                f"{culprit}: {shown} is under {fs}, the kernel's own file system; choose a folder on a disk"
+            )
     if _exists(path) and not path.is_dir():
         raise ConfigError(f"{culprit}: {shown} is a file, not a folder")
     existing = next(p for p in (path, *path.absolute().parents) if _exists(p))
@@ -177,7 +184,9 @@ def check_kernels(backend: str, device: torch.device, device_spec: str) -> None:
     env = raw.strip().lower()
     if env not in ("", "auto", *dispatch.BACKENDS):
         # An error even when kernels.backend overrides it: a misspelt variable means the user expected something.
-        raise ConfigError(f"PALESTRA_KERNELS={raw!r}: not a back end; use one of auto, {', '.join(dispatch.BACKENDS)} (or unset it)")
+        raise ConfigError(
+            f"PALESTRA_KERNELS={raw!r}: not a back end; use one of auto, {', '.join(dispatch.BACKENDS)} (or unset it)"
+        )
     if backend != "auto":
         requested, source = backend, "kernels.backend"  # the config key wins over the variable (set_backend)
     elif env not in ("", "auto"):

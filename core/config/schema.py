@@ -7,9 +7,8 @@ import re
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, Literal
 
-from palestra.registry import KINDS, Registry
-
 from palestra.errors import OptionError
+from palestra.registry import KINDS, Registry
 
 
 # ---- declaring options -------------------------------------------------------------------------------
@@ -175,11 +174,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.export_dir is not None and not self.export_dir.strip():
-            raise OptionError("export_dir",
-                              f"must name a folder (or be null for <run directory>/export), got {self.export_dir!r}")
+            raise OptionError(
+                "export_dir", f"must name a folder (or be null for <run directory>/export), got {self.export_dir!r}"
+            )
         if self.export_dir is not None and not self.export:
-            raise OptionError("export_dir", f"is {self.export_dir!r} but train.export is false, so nothing would be "
-                              "written there; set train.export=true (or drop export_dir)")
+            raise OptionError(
+                "export_dir",
+                f"is {self.export_dir!r} but train.export is false, so nothing would be "
+                "written there; set train.export=true (or drop export_dir)",
+            )
         if not (isinstance(self.device, str) and DEVICE_PATTERN.fullmatch(self.device)):
             hint = "; did you mean 'cuda'?" if str(self.device).lower() in ("gpu", "cuda:", "nvidia") else ""
             raise OptionError("device", f"expected {DEVICE_CHOICES}, got {self.device!r}{hint}")
@@ -241,5 +244,3 @@ class Config:
         from .validation import to_plain
 
         return to_plain(self)
-
-

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal, Union
 
+from palestra.errors import ConfigError, OptionError
 from palestra.registry import Registration, Registry, RegistryError
 
-from palestra.errors import ConfigError, OptionError
 from .schema import ComponentSpec
 
 # ---- the registry used for validation and building ---------------------------------------------------
@@ -103,7 +103,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, tp):
             return value
         raise ConfigError(f"{path}: expected {tp.__name__}, got {_show(value)}")
-    raise ConfigError(f"{path}: cannot check values of type {tp!r} (an options dataclass uses an unsupported annotation)")
+    raise ConfigError(
+        f"{path}: cannot check values of type {tp!r} (an options dataclass uses an unsupported annotation)"
+    )
 
 
 def _wants_text(tp: Any) -> bool:
@@ -262,7 +264,12 @@ def _check_bounds(value: Any, f: dataclasses.Field[Any], path: str) -> Any:
     bounds = f.metadata.get("bounds") if f.metadata else None
     if not bounds or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
-    checks = {"ge": (lambda a, b: a >= b, ">="), "gt": (lambda a, b: a > b, ">"), "le": (lambda a, b: a <= b, "<="), "lt": (lambda a, b: a < b, "<")}
+    checks = {
+        "ge": (lambda a, b: a >= b, ">="),
+        "gt": (lambda a, b: a > b, ">"),
+        "le": (lambda a, b: a <= b, "<="),
+        "lt": (lambda a, b: a < b, "<"),
+    }
     for key, bound in bounds.items():
         ok, sign = checks[key]
         if not ok(value, bound):
@@ -332,4 +339,3 @@ def format_fields(key: str, template: str) -> list[str]:
         return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as e:
         raise OptionError(key, f"is not a format string: {e}") from None
-

@@ -25,7 +25,7 @@ runs that one itself.)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from palestra.config import OptionError, check_options, option
@@ -54,7 +54,7 @@ class AlgorithmOptions:
     loss_norm_length: int | None = option(None, ge=1)  # seq_mean_token_sum_norm's constant; None: train.max_new_tokens
     # Importance weights for behaviour log-probs that came from another engine than the learner
     # (palestra.rl.rollout_correction); off by default, the rollout/* gap metrics are logged either way.
-    rollout_correction: RolloutCorrectionOptions = option(default_factory=RolloutCorrectionOptions)
+    rollout_correction: RolloutCorrectionOptions = field(default_factory=RolloutCorrectionOptions)
     # The costlier diagnostics (diag/entropy_grad_share, diag/logit_norm) run on one micro-batch of every
     # diagnostics_every-th update; 0: never. The group-tie ones are cheap and logged on every update.
     diagnostics_every: int = option(50, ge=0)
@@ -147,7 +147,9 @@ class Algorithm:
         """The parameters to train, by group: one AdamW and one LR schedule each, in this order."""
         return {"policy": ParamGroup([p for p in policy.parameters() if p.requires_grad], self.train.lr, policy)}
 
-    def clip_gradients(self, groups: Mapping[str, Sequence[torch.Tensor]], max_norm: float) -> tuple[float, dict[str, float]]:
+    def clip_gradients(
+        self, groups: Mapping[str, Sequence[torch.Tensor]], max_norm: float
+    ) -> tuple[float, dict[str, float]]:
         """Clip the gradients of the tensors each optimiser steps; returns the norm reported as ``grad/norm`` and
         further norms to report. Every returned norm must be finite for the step to be taken."""
         import torch
@@ -227,8 +229,14 @@ class Algorithm:
         return adv.to(torch.float32)
 
     def entropy_and_kl(
-        self, per_token: torch.Tensor, batch: Experience, scores: Any, metrics: dict[str, Any], *,
-        kl_coef: float = 0.0, kl_estimator: str = "k3",
+        self,
+        per_token: torch.Tensor,
+        batch: Experience,
+        scores: Any,
+        metrics: dict[str, Any],
+        *,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
     ) -> torch.Tensor:
         """``per_token - entropy_coef * entropy + kl_coef * KL`` (:func:`palestra.rl.entropy_and_kl`); adds the
         entropy and KL metrics to ``metrics``."""
@@ -236,8 +244,13 @@ class Algorithm:
 
         try:
             per_token, m = entropy_and_kl(
-                per_token, logprobs=scores.logprobs, entropy=scores.entropy, ref_logprobs=batch.ref_logprobs,
-                mask=batch.completion_mask, entropy_coef=self.options.entropy_coef, kl_coef=kl_coef,
+                per_token,
+                logprobs=scores.logprobs,
+                entropy=scores.entropy,
+                ref_logprobs=batch.ref_logprobs,
+                mask=batch.completion_mask,
+                entropy_coef=self.options.entropy_coef,
+                kl_coef=kl_coef,
                 kl_estimator=kl_estimator,
             )
         except ValueError as e:
@@ -246,8 +259,15 @@ class Algorithm:
         return per_token
 
     def surrogate_terms(
-        self, batch: Experience, scores: Any, *, clip_low: float, clip_high: float, kl_coef: float = 0.0,
-        kl_estimator: str = "k3", surrogate: Any = None,
+        self,
+        batch: Experience,
+        scores: Any,
+        *,
+        clip_low: float,
+        clip_high: float,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        surrogate: Any = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """A clipped surrogate per token (``surrogate``, :func:`palestra.rl.clipped_surrogate` by default; GSPO's and
         CISPO's have its signature) against ``batch.old_logprobs``, then :meth:`entropy_and_kl`; metric tensors
@@ -255,13 +275,22 @@ class Algorithm:
         from palestra.rl.losses import clipped_surrogate
 
         fn = surrogate if surrogate is not None else clipped_surrogate
-        per_token, m = fn(scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask, clip_low, clip_high)
+        if batch.old_logprobs is None:
+            raise ValueError(f"{self.name}: batch.old_logprobs is None; the learner's prepare fills it before the loss")
+        per_token, m = fn(
+            scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask, clip_low, clip_high
+        )
         metrics: dict[str, Any] = {"policy/clip_frac": m["clip_frac"], "policy/ratio_mean": m["ratio_mean"]}
         per_token = self.entropy_and_kl(per_token, batch, scores, metrics, kl_coef=kl_coef, kl_estimator=kl_estimator)
         return per_token, metrics
 
     def clipped_loss(
-        self, batch: Experience, scores: Any, *, kl_coef: float = 0.0, row_weight: torch.Tensor | None = None,
+        self,
+        batch: Experience,
+        scores: Any,
+        *,
+        kl_coef: float = 0.0,
+        row_weight: torch.Tensor | None = None,
         surrogate: Any = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The aggregated clipped surrogate minus the entropy bonus plus ``kl_coef`` * KL, each row's terms times
@@ -270,7 +299,12 @@ class Algorithm:
         o = self.options
         high = o.clip_eps_high if o.clip_eps_high is not None or surrogate is not None else o.clip_eps
         per_token, metrics = self.surrogate_terms(
-            batch, scores, clip_low=o.clip_eps, clip_high=high, kl_coef=kl_coef, kl_estimator=o.kl_estimator,
+            batch,
+            scores,
+            clip_low=o.clip_eps,
+            clip_high=high,
+            kl_coef=kl_coef,
+            kl_estimator=o.kl_estimator,
             surrogate=surrogate,
         )
         if row_weight is not None:

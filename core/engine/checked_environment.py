@@ -105,17 +105,27 @@ def check_reset(out: Any, batch_size: int, group_size: int, *, agents: Sequence[
     for i, obs in enumerate(out):
         problem = _observation_problem(obs, agents)
         if problem is not None:
-            return f"reset returned {problem} at row {i}; every row must be a palestra.types.Observation (none is finished yet)"
+            return (
+                f"reset returned {problem} at row {i};"
+                " every row must be a palestra.types.Observation (none is finished yet)"
+            )
     return None
 
 
-def check_step(out: Any, actions: Sequence[str | None], live: Sequence[bool], *, agents: Sequence[str] | None = None) -> str | None:
-    """None if ``out`` keeps the ``step`` rules for ``actions`` (rows ``live`` before the step), else the rule it broke."""
+def check_step(
+    out: Any, actions: Sequence[str | None], live: Sequence[bool], *, agents: Sequence[str] | None = None
+) -> str | None:
+    """The ``step`` rule ``out`` breaks for ``actions`` (rows ``live`` before the step), or None if it keeps them."""
     n = len(live)
     if not isinstance(out, StepResult):
-        return f"step returned {_kind(out)}; it must return a StepResult(observations, done, info) with one entry per row"
+        return (
+            f"step returned {_kind(out)}; it must return a StepResult(observations, done, info) with one entry per row"
+        )
     if len(out.observations) != n:
-        return f"step returned {len(out.observations)} rows for a batch of {n}; it must return one entry per row (None for a finished row)"
+        return (
+            f"step returned {len(out.observations)} rows for a batch of {n};"
+            " it must return one entry per row (None for a finished row)"
+        )
     for i, (obs, info) in enumerate(zip(out.observations, out.info)):
         if obs is not None and not live[i]:
             return f"step returned an observation for row {i}, which had already finished; a finished row stays None"

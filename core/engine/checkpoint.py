@@ -102,7 +102,7 @@ _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (corrupt, unsafe, another format, not matching its run). One line, naming the file."""
+    """A checkpoint that cannot be used (corrupt, unsafe, another format, not its run's); one line, naming the file."""
 
     palestra_user_error = True
 
@@ -138,7 +138,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(target: str | Path, write: Callable[[Path], None], *, needs: int | None = None) -> Path:
+def write_atomic(target: str | Path, write: Callable[[Path], object], *, needs: int | None = None) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``target``, then fsync and rename it over ``target``.
 
     If ``write`` raises (or the process dies) ``target`` keeps its previous content; the temporary file is removed
@@ -246,7 +246,10 @@ def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: int, keep: int) -> Path:
-    """Write ``checkpoints/step-NNNNNN.pt``, point ``latest`` at it, keep the newest ``keep`` and clear stale temporaries."""
+    """Write ``checkpoints/step-NNNNNN.pt`` and point ``latest`` at it.
+
+    Keeps the newest ``keep`` step checkpoints and clears stale temporaries.
+    """
     folder = Path(run_dir) / CHECKPOINT_DIR
     path = save_checkpoint(state, folder / step_name(step))
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
@@ -322,7 +325,9 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = False
     """
     path = Path(path)
     _check_archive(path)
-    if torch.distributed.is_available():  # registers DTensor (an FSDP optimiser's state), which weights_only loads as data
+    if (
+        torch.distributed.is_available()
+    ):  # registers DTensor (an FSDP optimiser's state), which weights_only loads as data
         importlib.import_module("torch.distributed.tensor")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -332,7 +337,9 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, mmap: bool = False
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"checkpoint {path} is corrupt ({type(e).__name__}: {first})") from None
     if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"checkpoint {path} is not a palestra checkpoint (it holds {type(state).__name__}, not a state with a step)")
+        raise CheckpointError(
+            f"checkpoint {path} is not a palestra checkpoint (it holds {type(state).__name__}, not a state with a step)"
+        )
     if state.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {state.get('format')!r}; this palestra reads format {FORMAT} "
@@ -352,7 +359,10 @@ def _check_archive(path: Path) -> None:
     if size == 0:
         raise CheckpointError(f"checkpoint {path} is corrupt: it is empty (0 bytes)")
     if not zipfile.is_zipfile(path):  # a torch archive is a zip whose directory is at its end
-        raise CheckpointError(f"checkpoint {path} is corrupt: truncated or not a torch.save archive ({size} bytes, no zip directory at its end)")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: truncated or not a torch.save "
+            f"archive ({size} bytes, no zip directory at its end)"
+        )
 
 
 def _unpickling_reason(e: pickle.UnpicklingError) -> str:
@@ -360,8 +370,10 @@ def _unpickling_reason(e: pickle.UnpicklingError) -> str:
     text = str(e)
     culprit = re.search(r"GLOBAL ([\w.]+)", text)
     if culprit:
-        return (f"it holds a pickled reference to {culprit.group(1)}, which is code, not data; "
-                "palestra loads checkpoints with torch.load(weights_only=True) and ran nothing")
+        return (
+            f"it holds a pickled reference to {culprit.group(1)}, which is code, not data; "
+            "palestra loads checkpoints with torch.load(weights_only=True) and ran nothing"
+        )
     detail = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), type(e).__name__)
     return f"it does not unpickle as tensors and plain data ({detail[:200]}); nothing in it was run"
 
@@ -376,7 +388,9 @@ def _verify(path: Path, state: dict[str, Any]) -> None:
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from None
     if actual != recorded["sha256"]:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match the sha256 recorded when it was written")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its content does not match the sha256 recorded when it was written"
+        )
 
 
 # ---- which checkpoint --resume continues -------------------------------------------------------------
@@ -433,8 +447,12 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
     others = [h for h in headers if h.run_id != owner]
     if others:
         names = ", ".join(str(h.path.relative_to(run_dir)) for h in others)
-        warnings.warn(f"{run_dir}: ignoring {len(others)} checkpoint(s) of another run ({names}); "
-                      f"resume continues only run {owner}", CheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"{run_dir}: ignoring {len(others)} checkpoint(s) of another run ({names}); "
+            f"resume continues only run {owner}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
     for header in ours:
         try:
             state = load_checkpoint(header.path)
@@ -454,8 +472,10 @@ def _resume_dir(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     if run_dir.is_file():
         owner = run_dir.parent.parent if run_dir.parent.name == CHECKPOINT_DIR else run_dir.parent
-        raise RunDirError(f"--resume takes the run directory, not a file: {str(run_dir)!r} is a file; "
-                          f"use --resume {owner} (it picks the newest intact checkpoint)")
+        raise RunDirError(
+            f"--resume takes the run directory, not a file: {str(run_dir)!r} is a file; "
+            f"use --resume {owner} (it picks the newest intact checkpoint)"
+        )
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--resume: run directory {str(run_dir)!r} does not exist")
     return run_dir
@@ -473,7 +493,9 @@ def _candidate_paths(run_dir: Path) -> list[Path]:
         if root in p.resolve().parents:
             inside.append(p)
         else:
-            warnings.warn(f"{p} links to {p.resolve()}, outside the run directory; ignored", CheckpointWarning, stacklevel=3)
+            warnings.warn(
+                f"{p} links to {p.resolve()}, outside the run directory; ignored", CheckpointWarning, stacklevel=3
+            )
     return inside
 
 
@@ -488,8 +510,11 @@ def _check_latest(run_dir: Path) -> None:
     except (OSError, UnicodeDecodeError):
         name = "(unreadable)"
     if not _STEP_FILE.match(name):
-        warnings.warn(f"{latest} names {name[:80]!r}, not a step file in {latest.parent}; ignored",
-                      CheckpointWarning, stacklevel=4)
+        warnings.warn(
+            f"{latest} names {name[:80]!r}, not a step file in {latest.parent}; ignored",
+            CheckpointWarning,
+            stacklevel=4,
+        )
 
 
 def _peek(path: Path) -> _Header:
@@ -497,8 +522,12 @@ def _peek(path: Path) -> _Header:
     state = load_checkpoint(path, verify=False, mmap=True)
     run_id = state.get("run_id")
     saved_at = state.get("saved_at")
-    return _Header(path, run_id if isinstance(run_id, str) else None, int(state["step"]),
-                   float(saved_at) if isinstance(saved_at, (int, float)) else 0.0)
+    return _Header(
+        path,
+        run_id if isinstance(run_id, str) else None,
+        int(state["step"]),
+        float(saved_at) if isinstance(saved_at, (int, float)) else 0.0,
+    )
 
 
 # ---- the run directory ---------------------------------------------------------------------------------
@@ -509,7 +538,9 @@ RUN_MARKERS = (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR, "metrics.jsonl")
 def write_run_file(run_dir: str | Path, run_id: str, name: str) -> Path:
     """``RUN_DIR/run.json``: the id of the run that owns the directory (resume continues only its checkpoints)."""
     record = {"run_id": run_id, "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    return write_atomic(Path(run_dir) / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8"))
+    return write_atomic(
+        Path(run_dir) / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    )
 
 
 def read_run_id(run_dir: str | Path) -> str | None:
@@ -522,7 +553,9 @@ def read_run_id(run_dir: str | Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         run_id = None
     if not isinstance(run_id, str):
-        warnings.warn(f"{path} is unreadable; taking the run that saved last as the owner", CheckpointWarning, stacklevel=3)
+        warnings.warn(
+            f"{path} is unreadable; taking the run that saved last as the owner", CheckpointWarning, stacklevel=3
+        )
         return None
     return run_id
 
@@ -556,8 +589,13 @@ def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
     why = None
     if root == cwd or root in cwd.parents:
         why = "it is the working directory or one of its parents"
-    elif nested := sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != CHECKPOINT_DIR
-                          and any((p / m).exists() for m in (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR))):
+    elif nested := sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name != CHECKPOINT_DIR
+        and any((p / m).exists() for m in (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR))
+    ):
         why = f"it holds other runs ({', '.join(nested[:3])})"
     elif keep is not None and root in keep.resolve().parents:
         why = f"it holds the config file {keep}"
@@ -599,7 +637,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 # ---- logged files --------------------------------------------------------------------------------------
 def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
-    """Size in bytes of each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
+    """Bytes in each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
     out: dict[str, int] = {}
     for logger in loggers:
         path = logger.path if isinstance(logger, FileLogger) else None
@@ -622,18 +660,29 @@ def restore_logs(run_dir: Path, sizes: Mapping[str, int], step: int) -> None:
     for rel, size in sizes.items():
         path = run_dir / rel
         if not path.is_file():
-            warnings.warn(f"{path} is missing (it had {size} bytes at step {step}); the resumed run starts a new one",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"{path} is missing (it had {size} bytes at step {step}); the resumed run starts a new one",
+                CheckpointWarning,
+                stacklevel=2,
+            )
             continue
         actual = path.stat().st_size
         with open(path, "r+b") as f:
             end = _line_end_at_or_before(f, min(size, actual))
             if actual < size:
-                warnings.warn(f"{path} is {actual} bytes, shorter than the {size} recorded at step {step}: lines were "
-                              f"lost; cut to its last complete line ({end} bytes) before resuming", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"{path} is {actual} bytes, shorter than the {size} recorded at step {step}: lines were "
+                    f"lost; cut to its last complete line ({end} bytes) before resuming",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             elif end < size:
-                warnings.warn(f"{path} ends mid-line at the {size} bytes recorded at step {step}; cut to its last "
-                              f"complete line ({end} bytes) before resuming", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"{path} ends mid-line at the {size} bytes recorded at step {step}; cut to its last "
+                    f"complete line ({end} bytes) before resuming",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             if end < actual:
                 f.truncate(end)
 
@@ -654,8 +703,15 @@ def _line_end_at_or_before(f: Any, limit: int, chunk: int = 1 << 16) -> int:
 
 # ---- a run's state -------------------------------------------------------------------------------------------------
 def capture_state(
-    run: RunComponents, learner: Learner, *, step: int, run_id: str, reward_ema: float | None, bad_steps: int,
-    before: Mapping[str, Any] | None, run_dir: Path,
+    run: RunComponents,
+    learner: Learner,
+    *,
+    step: int,
+    run_id: str,
+    reward_ema: float | None,
+    bad_steps: int,
+    before: Mapping[str, Any] | None,
+    run_dir: Path,
 ) -> dict[str, Any]:
     """Everything a run needs to continue bitwise: weights, optimiser (+ scaler, replay buffer, running reward
     statistics), every rank's RNG states, step, reward curriculum, reward EMA, environment state (when it has
@@ -728,8 +784,11 @@ def restore_state(
     if len(rng) == dist.world_size:  # another world size: RNG streams cannot match anyway
         restore_rng(rng[dist.rank])
     elif dist.is_main:
-        warnings.warn(f"checkpoint {source}: saved by {len(rng)} rank(s), resumed on {dist.world_size}; "
-                      "random states start fresh", stacklevel=3)
+        warnings.warn(
+            f"checkpoint {source}: saved by {len(rng)} rank(s), resumed on {dist.world_size}; "
+            "random states start fresh",
+            stacklevel=3,
+        )
     run_id = state.get("run_id")
     return Restored(
         step=int(state["step"]),
@@ -745,9 +804,15 @@ def _check_policy_kind(run: RunComponents, saved_adapters: bool, source: str | P
     """One line when the checkpoint holds adapters only and the policy trains every weight, or the other way."""
     live_adapters = isinstance(run.policy, AdapterPolicy)
     if saved_adapters != live_adapters:
-        saved, live = ("only LoRA adapters", "trains every weight") if saved_adapters else ("every weight", "trains LoRA adapters")
-        raise CheckpointError(f"checkpoint {source} holds {saved} but the policy built from its config "
-                              f"(policy {run.config.policy.name!r}, policy.options.lora) {live}")
+        saved, live = (
+            ("only LoRA adapters", "trains every weight")
+            if saved_adapters
+            else ("every weight", "trains LoRA adapters")
+        )
+        raise CheckpointError(
+            f"checkpoint {source} holds {saved} but the policy built from its config "
+            f"(policy {run.config.policy.name!r}, policy.options.lora) {live}"
+        )
 
 
 def _load_policy(run: RunComponents, weights: Mapping[str, Any]) -> None:
@@ -764,8 +829,10 @@ def _load_policy(run: RunComponents, weights: Mapping[str, Any]) -> None:
 def policy_mismatch(run: RunComponents, saved: Mapping[str, Any], source: str | Path) -> str | None:
     """One line naming the first parameter whose name or shape differs between the checkpoint and the policy its
     config built; None when they agree."""
-    where = (f"checkpoint {source} does not fit the policy built from its config (policy {run.config.policy.name!r}, "
-             "policy.options)")
+    where = (
+        f"checkpoint {source} does not fit the policy built from its config (policy {run.config.policy.name!r}, "
+        "policy.options)"
+    )
     # FSDP: DTensors, whose shapes are the full ones; LoRA: the adapters, all a checkpoint holds
     live = run.policy.adapter_state_dict() if isinstance(run.policy, AdapterPolicy) else run.policy.state_dict()
     for name, value in live.items():
@@ -775,7 +842,10 @@ def policy_mismatch(run: RunComponents, saved: Mapping[str, Any], source: str | 
             return f"{where}: parameter {name!r} {list(value.shape)} is not in the checkpoint"
         stored = saved[name]
         if isinstance(stored, torch.Tensor) and stored.shape != value.shape:
-            return f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint and {list(value.shape)} in the policy"
+            return (
+                f"{where}: parameter {name!r} is {list(stored.shape)} in the checkpoint"
+                f" and {list(value.shape)} in the policy"
+            )
     extra = next((k for k in saved if k not in live), None)
     if extra is not None:
         return f"{where}: the checkpoint has parameter {extra!r}, which the policy does not"

@@ -44,8 +44,15 @@ def group_diagnostics(batch: Experience, tie_std: float) -> dict[str, float]:
 
 
 def diagnostics_probe(
-    policy: Any, micro: Experience, weight: float, *, params: Sequence[Any], entropy_coef: float,
-    entropy_loss: Callable[[Experience], torch.Tensor], backward: Callable[[torch.Tensor], None], autocast: Any,
+    policy: Any,
+    micro: Experience,
+    weight: float,
+    *,
+    params: Sequence[Any],
+    entropy_coef: float,
+    entropy_loss: Callable[[Experience], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    autocast: Any,
 ) -> dict[str, float]:
     """The costlier diagnostics, on ``micro`` right after its backward as the first micro-batch of a pass
     (so the gradients of ``params`` hold its gradient alone):

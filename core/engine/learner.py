@@ -31,12 +31,20 @@ correction or not.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 from palestra.context import TrainContext
-from palestra.engine.algorithm import Algorithm, AlgorithmOptions, ParamGroup, ReplayOptions, check_option, token_weights
+from palestra.engine.algorithm import (
+    Algorithm,
+    AlgorithmOptions,
+    ParamGroup,
+    ReplayOptions,
+    check_option,
+    token_weights,
+)
 from palestra.engine.diagnostics import MAX_METRICS, diagnostics_probe, floats, group_diagnostics, update_ratio
 from palestra.engine.micro_plans import MicroBatchPlanner
 from palestra.engine.optimizers import build_optimizers, learner_state, load_learner_state
@@ -46,8 +54,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Algorithm", "AlgorithmOptions", "Learner", "ParamGroup", "ReplayOptions", "check_option",
-    "token_weights", "update_ratio",
+    "Algorithm",
+    "AlgorithmOptions",
+    "Learner",
+    "ParamGroup",
+    "ReplayOptions",
+    "check_option",
+    "token_weights",
+    "update_ratio",
 ]
 
 log = logging.getLogger("palestra.engine.learner")
@@ -66,8 +80,10 @@ class Learner:
         import torch
 
         if not isinstance(context, TrainContext):
-            raise TypeError(f"Learner: context must be a palestra.TrainContext, got {type(context).__name__} "
-                            "(TrainContext.local(train) makes one for a single process)")
+            raise TypeError(
+                f"Learner: context must be a palestra.TrainContext, got {type(context).__name__} "
+                "(TrainContext.local(train) makes one for a single process)"
+            )
         name = algorithm.name
         if algorithm.needs_reference and reference is None:
             raise ValueError(f"{name}: the KL term needs a frozen reference policy; Learner() got reference=None")
@@ -97,9 +113,12 @@ class Learner:
         if replay is not None:
             from palestra.rl.replay import ReplayBuffer
 
-            self.replay = ReplayBuffer(replay.replay_capacity, replay.replay_rows, informative_only=replay.replay_informative_only)
-        self.planner = MicroBatchPlanner(name, self.train, policy, self.params, self.precision, self.shuffle_generator,
-                                         self._zero_grads)
+            self.replay = ReplayBuffer(
+                replay.replay_capacity, replay.replay_rows, informative_only=replay.replay_informative_only
+            )
+        self.planner = MicroBatchPlanner(
+            name, self.train, policy, self.params, self.precision, self.shuffle_generator, self._zero_grads
+        )
 
     def _prepare_models(self) -> None:
         """The reference frozen (and offloaded), the value head added, gradient checkpointing switched on."""
@@ -114,8 +133,10 @@ class Learner:
             policy.enable_value_head()
         if train.gradient_checkpointing:
             if not isinstance(policy, GradientCheckpointing):
-                raise ConfigError(f"train.gradient_checkpointing: the policy ({type(policy).__name__}) has no "
-                                  "set_gradient_checkpointing(on); set it to false")
+                raise ConfigError(
+                    f"train.gradient_checkpointing: the policy ({type(policy).__name__}) has no "
+                    "set_gradient_checkpointing(on); set it to false"
+                )
             policy.set_gradient_checkpointing(True)
 
     # ---- what others read --------------------------------------------------------------------------------
@@ -171,7 +192,9 @@ class Learner:
                 else:
                     batch.ref_logprobs = self.planner.score(self.reference, batch, self.autocast, temperature).logprobs
             if self.algorithm.needs_value_head:
-                batch.old_values = self.planner.score(self.policy, batch, self.autocast, temperature, values=True).values
+                batch.old_values = self.planner.score(
+                    self.policy, batch, self.autocast, temperature, values=True
+                ).values
             return self.algorithm.advantages(batch)
 
     def score(self, batch: Experience) -> Any:
@@ -179,8 +202,13 @@ class Learner:
         value head), under the training precision's autocast; they come out in fp32, so the loss math is fp32."""
         with self.autocast():
             return self.policy.score(
-                batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                temperature=self.algorithm.temperature, entropy=True, values=self.algorithm.needs_value_head,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.completion_ids,
+                batch.completion_mask,
+                temperature=self.algorithm.temperature,
+                entropy=True,
+                values=self.algorithm.needs_value_head,
                 agent_ids=list(batch.agent_ids),
             )
 
@@ -224,7 +252,9 @@ class Learner:
         n, k = rows.batch_size, self.train.grad_accum
         budget = self.planner.token_budget(rows)
         if budget is None and n < k:
-            raise ValueError(f"{self.algorithm.name}.update: the batch has {n} rows, fewer than train.grad_accum={k} micro-batches")
+            raise ValueError(
+                f"{self.algorithm.name}.update: the batch has {n} rows, fewer than train.grad_accum={k} micro-batches"
+            )
         self.algorithm.begin_update(rows)
         passes = self.train.updates_per_batch
         if self.algorithm.options.rollout_correction.enabled and passes > 1:
@@ -233,13 +263,15 @@ class Learner:
             import torch
 
             with torch.no_grad():
-                rows.old_logprobs = self.planner.score(self.policy, rows, self.autocast, self.algorithm.temperature).logprobs
+                rows.old_logprobs = self.planner.score(
+                    self.policy, rows, self.autocast, self.algorithm.temperature
+                ).logprobs
         every = self.algorithm.options.diagnostics_every
         probe = every > 0 and self.scheduler.last_epoch % every == 0  # counts updates (schedule steps); checkpointed
         results: list[dict[str, float]] = []
         for pass_index in range(passes):
             result = self.planner.with_backoff(
-                rows, budget, lambda b, i=pass_index: self._pass(rows, i, b, probe=probe and i == 0), "update"
+                rows, budget, functools.partial(self._pass, rows, pass_index, probe=probe and pass_index == 0), "update"
             )
             if result is None:  # a bad step: skip the rest of this update
                 break
@@ -256,8 +288,9 @@ class Learner:
             return rows
         return self.replay.mix(rows, self.shuffle_generator, pad_token_id=self.policy.tokenizer.pad_token_id)
 
-    def _finish(self, batch: Experience, results: list[dict[str, float]], skipped: int, lr: float,
-                budget: int | None) -> dict[str, float]:
+    def _finish(
+        self, batch: Experience, results: list[dict[str, float]], skipped: int, lr: float, budget: int | None
+    ) -> dict[str, float]:
         """The update's metrics; the schedule and replay move on when a pass stepped."""
         if not results:
             out = {"train/skipped": 1.0, "lr": lr, **self.precision.metrics()}
@@ -295,12 +328,16 @@ class Learner:
         if self.optimizer_set.master is not None:
             self.optimizer_set.master.zero_grad()
 
-    def _pass(self, rows: Experience, pass_index: int, budget: int | None, *, probe: bool = False) -> dict[str, float] | None:
+    def _pass(
+        self, rows: Experience, pass_index: int, budget: int | None, *, probe: bool = False
+    ) -> dict[str, float] | None:
         """One pass: micro-batch forwards and backwards, then :meth:`_step`. None: a bad step."""
         metrics, bad = self._backward(rows, pass_index, budget, probe=probe)
         return self._step(metrics, bad, pass_index)
 
-    def _backward(self, rows: Experience, pass_index: int, budget: int | None, *, probe: bool) -> tuple[dict[str, float], str | None]:
+    def _backward(
+        self, rows: Experience, pass_index: int, budget: int | None, *, probe: bool
+    ) -> tuple[dict[str, float], str | None]:
         """The micro-batches' losses and backwards; their metrics and what was not finite (None: all finite).
 
         ``probe``: measure the costlier diagnostics on the first micro-batch. ``rollout/*`` metrics compare the
@@ -321,7 +358,10 @@ class Learner:
             loss, micro_metrics = self.loss(micro)
             value = float(loss.detach())
             if not math.isfinite(value) and bad is None:
-                bad = f"non-finite loss ({value}) in pass {pass_index}, micro-batch {micro_index} ({micro.batch_size} rows)"
+                bad = (
+                    f"non-finite loss ({value}) in pass {pass_index},"
+                    f" micro-batch {micro_index} ({micro.batch_size} rows)"
+                )
             # Backward even after a bad loss: every rank runs the same collectives (DDP hooks, grad_sync).
             self.precision.backward(loss * w)
             if probe and micro_index == 0:
@@ -390,10 +430,17 @@ class Learner:
         algorithm = self.algorithm
 
         def entropy_loss(batch: Experience) -> torch.Tensor:  # the entropy bonus's part of the loss, aggregated
-            return -algorithm.options.entropy_coef * algorithm.aggregate(self.score(batch).entropy, batch.completion_mask)
+            return -algorithm.options.entropy_coef * algorithm.aggregate(
+                self.score(batch).entropy, batch.completion_mask
+            )
 
         return diagnostics_probe(
-            self.policy, micro, weight, params=self.policy_params, entropy_coef=algorithm.options.entropy_coef,
-            entropy_loss=entropy_loss, backward=self.precision.backward, autocast=self.autocast(),
+            self.policy,
+            micro,
+            weight,
+            params=self.policy_params,
+            entropy_coef=algorithm.options.entropy_coef,
+            entropy_loss=entropy_loss,
+            backward=self.precision.backward,
+            autocast=self.autocast(),
         )
-

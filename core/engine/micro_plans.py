@@ -32,8 +32,16 @@ class MicroBatchPlanner:
     ``shuffle_generator`` orders rows between micro-batches; it is checkpointed by the learner.
     """
 
-    def __init__(self, name: str, train: Any, policy: Any, params: Sequence[Any], precision: Any,
-                 shuffle_generator: torch.Generator, on_out_of_memory: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        train: Any,
+        policy: Any,
+        params: Sequence[Any],
+        precision: Any,
+        shuffle_generator: torch.Generator,
+        on_out_of_memory: Callable[[], None],
+    ) -> None:
         self.name, self.train, self.policy, self.params, self.precision = name, train, policy, params, precision
         self.shuffle_generator = shuffle_generator
         self.on_out_of_memory = on_out_of_memory
@@ -52,7 +60,9 @@ class MicroBatchPlanner:
 
         elem = 2 if self.precision is not None and self.precision.enabled else self.params[0].element_size()
         width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
-        budget = auto_token_budget(self.policy, self.params[0].device, width, elem, checkpointing=t.gradient_checkpointing)
+        budget = auto_token_budget(
+            self.policy, self.params[0].device, width, elem, checkpointing=t.gradient_checkpointing
+        )
         for cap in (fixed, self.auto_budget_cap, batch.batch_size * width):  # never more than the whole batch
             if cap is not None:
                 budget = min(budget, cap)
@@ -79,10 +89,18 @@ class MicroBatchPlanner:
                 f"{e.tokens} tokens (prompt + completion) by itself; raise train.token_budget"
             ) from None
 
-    def with_backoff(self, batch: Experience, budget: int | None, attempt: Callable[[int | None], Any], what: str) -> Any:
+    def with_backoff(
+        self, batch: Experience, budget: int | None, attempt: Callable[[int | None], Any], what: str
+    ) -> Any:
         """``attempt(budget)``; under ``train.auto_micro_batch`` an out-of-memory error halves the budget and
         retries, until a plan of one row per micro-batch fails too (then a one-line :class:`OutOfMemory`)."""
-        from palestra.scale.micro_batching import OutOfMemory, free_cached_memory, is_out_of_memory, plan_micro_batches, row_tokens
+        from palestra.scale.micro_batching import (
+            OutOfMemory,
+            free_cached_memory,
+            is_out_of_memory,
+            plan_micro_batches,
+            row_tokens,
+        )
 
         while True:
             try:
@@ -100,21 +118,37 @@ class MicroBatchPlanner:
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
                     ) from None
                 smaller = max(biggest, budget // 2)
-                log.warning("%s.%s: out of memory at a budget of %d tokens per micro-batch; retrying with %d "
-                            "(train.auto_micro_batch)", self.name, what, budget, smaller)
+                log.warning(
+                    "%s.%s: out of memory at a budget of %d tokens per micro-batch; retrying with %d "
+                    "(train.auto_micro_batch)",
+                    self.name,
+                    what,
+                    budget,
+                    smaller,
+                )
                 budget = smaller
                 self.auto_budget_cap = smaller
 
-    def score(self, model: Any, batch: Experience, autocast: Callable[[], Any], temperature: float, *,
-              values: bool = False) -> Any:
+    def score(
+        self, model: Any, batch: Experience, autocast: Callable[[], Any], temperature: float, *, values: bool = False
+    ) -> Any:
         """``model.score`` over ``batch`` in the update's micro-batch size (memory like a training step), under
         ``autocast()``; with a token budget, in token-budget packs of trimmed rows. No gradients are kept by the
         caller's ``torch.no_grad``."""
         budget = self.token_budget(batch)
-        return self.with_backoff(batch, budget, lambda b: self._score(model, batch, b, autocast, temperature, values), "score")
+        return self.with_backoff(
+            batch, budget, lambda b: self._score(model, batch, b, autocast, temperature, values), "score"
+        )
 
-    def _score(self, model: Any, batch: Experience, budget: int | None, autocast: Callable[[], Any],
-               temperature: float, values: bool) -> Any:
+    def _score(
+        self,
+        model: Any,
+        batch: Experience,
+        budget: int | None,
+        autocast: Callable[[], Any],
+        temperature: float,
+        values: bool,
+    ) -> Any:
         import torch
 
         from palestra.models.policy import TokenScores
@@ -135,8 +169,14 @@ class MicroBatchPlanner:
                 micro = trim_padding(micro)
             with autocast():
                 out = model.score(
-                    micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
-                    temperature=temperature, entropy=False, values=values, agent_ids=list(micro.agent_ids),
+                    micro.prompt_ids,
+                    micro.prompt_mask,
+                    micro.completion_ids,
+                    micro.completion_mask,
+                    temperature=temperature,
+                    entropy=False,
+                    values=values,
+                    agent_ids=list(micro.agent_ids),
                 )
             rows, width = idx.to(device), out.logprobs.shape[1]
             logprobs[rows, :width] = out.logprobs.float()

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Optimizers", "build_optimizers", "learner_state", "load_learner_state", "load_optimizer_states", "optimizer_states"]
+__all__ = [
+    "Optimizers",
+    "build_optimizers",
+    "learner_state",
+    "load_learner_state",
+    "load_optimizer_states",
+    "optimizer_states",
+]
 
 
 @dataclass
@@ -66,7 +73,9 @@ def optimizer_states(optimizers: Mapping[str, Any], groups: Mapping[str, Any], f
     }
 
 
-def load_optimizer_states(optimizers: Mapping[str, Any], groups: Mapping[str, Any], states: Mapping[str, Any], fsdp: bool) -> None:
+def load_optimizer_states(
+    optimizers: Mapping[str, Any], groups: Mapping[str, Any], states: Mapping[str, Any], fsdp: bool
+) -> None:
     """Restore :func:`optimizer_states` (FSDP2: every rank keeps its shard of the full state)."""
     if not fsdp:
         for name, opt in optimizers.items():
@@ -111,15 +120,19 @@ def load_learner_state(learner: Any, state: Mapping[str, Any]) -> None:
     want = ({"optimizer", "scheduler"} if single else {"optimizers", "schedulers"}) | {"shuffle_generator", "extra"}
     optional = {"precision", "master"}
     if not want <= set(state) <= want | optional:
-        raise KeyError(f"{name}.load_state_dict: missing keys {sorted(want - set(state))}, "
-                       f"unexpected keys {sorted(set(state) - want - optional)}")
+        raise KeyError(
+            f"{name}.load_state_dict: missing keys {sorted(want - set(state))}, "
+            f"unexpected keys {sorted(set(state) - want - optional)}"
+        )
     if single:
         optimizers, schedulers = {"policy": state["optimizer"]}, {"policy": state["scheduler"]}
     else:
         optimizers, schedulers = state["optimizers"], state["schedulers"]
         if set(optimizers) != set(opt.optimizers):
-            raise KeyError(f"{name}.load_state_dict: optimisers {sorted(optimizers)} saved, {sorted(opt.optimizers)} "
-                           "here (the parameter groups differ: the agents, or an option such as per_agent_optimizer)")
+            raise KeyError(
+                f"{name}.load_state_dict: optimisers {sorted(optimizers)} saved, {sorted(opt.optimizers)} "
+                "here (the parameter groups differ: the agents, or an option such as per_agent_optimizer)"
+            )
     load_optimizer_states(opt.optimizers, learner.groups, optimizers, learner.context.fsdp)
     for group, s in opt.schedulers.items():
         s.load_state_dict(schedulers[group])
@@ -127,8 +140,10 @@ def load_learner_state(learner: Any, state: Mapping[str, Any]) -> None:
     extra = dict(state["extra"])
     if learner.replay is not None:
         if "replay" not in extra:
-            raise KeyError(f"{name}.load_state_dict: replay is on but the checkpoint has no replay buffer "
-                           f"(extra state keys {sorted(extra)})")
+            raise KeyError(
+                f"{name}.load_state_dict: replay is on but the checkpoint has no replay buffer "
+                f"(extra state keys {sorted(extra)})"
+            )
         learner.replay.load(extra.pop("replay"))
     learner.algorithm.load_extra_state(extra)
     learner.precision.load_state_dict(state.get("precision"))

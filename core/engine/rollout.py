@@ -44,7 +44,9 @@ def run_episodes(
     observations: list[Observation | None] = list(env.reset(batch_size, seed=seed, group_size=group_size))
     n = len(observations)
     if n != batch_size * group_size:
-        raise ValueError(f"{type(env).__name__}.reset returned {n} observations for batch_size*group_size={batch_size * group_size}")
+        raise ValueError(
+            f"{type(env).__name__}.reset returned {n} observations for batch_size*group_size={batch_size * group_size}"
+        )
     episodes = [Episode(metadata=dict(obs.metadata)) for obs in observations if obs is not None]
     for _ in range(env.max_turns):
         live = [i for i, obs in enumerate(observations) if obs is not None]
@@ -115,6 +117,7 @@ class Rollout:
 
         rows = self.rows()
         episode_of = torch.tensor([e for e, _, _ in rows], dtype=torch.int64)
+        picked: list[tuple[torch.Tensor, ...]]  # (prompt ids, prompt mask, completion ids, mask, log-probs) per piece
         if len(self.generations) == 1:  # single-turn: the rows are the generation itself
             g = self.generations[0]
             picked = [(g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, g.logprobs)]
@@ -122,9 +125,15 @@ class Rollout:
             picked = [tuple(x[r : r + 1] for x in self._tensors(c)) for _, c, r in rows]
         pieces = [
             Experience(
-                prompt_ids=p, prompt_mask=pm, completion_ids=c, completion_mask=cm, behaviour_logprobs=lp,
-                rewards=torch.zeros(p.shape[0]), advantages=torch.zeros(p.shape[0]),
-                group_ids=torch.zeros(p.shape[0], dtype=torch.int64), agent_ids=[""] * p.shape[0],
+                prompt_ids=p,
+                prompt_mask=pm,
+                completion_ids=c,
+                completion_mask=cm,
+                behaviour_logprobs=lp,
+                rewards=torch.zeros(p.shape[0]),
+                advantages=torch.zeros(p.shape[0]),
+                group_ids=torch.zeros(p.shape[0], dtype=torch.int64),
+                agent_ids=[""] * p.shape[0],
             )
             for p, pm, c, cm, lp in picked
         ]
@@ -134,14 +143,20 @@ class Rollout:
         batch.rewards = scores.to(device=device, dtype=torch.float32)[episode_of]
         batch.advantages = torch.zeros_like(batch.rewards)
         batch.group_ids = torch.div(episode_of, self.group_size, rounding_mode="floor")
-        batch.reward_components = {k: v.to(device=device, dtype=torch.float32)[episode_of] for k, v in (components or {}).items()}
+        batch.reward_components = {
+            k: v.to(device=device, dtype=torch.float32)[episode_of] for k, v in (components or {}).items()
+        }
         batch.agent_ids = [self.episodes[e].turns[c].agent_id for e, c, _ in rows]
         if agent_scores is not None:
             per_agent = {a: v.to(device=device, dtype=torch.float32) for a, v in agent_scores.items()}
             batch.rewards = torch.stack([per_agent[a][e] for a, (e, _, _) in zip(batch.agent_ids, rows)])
         batch.metadata = [
-            {**self.episodes[e].metadata, "turn": c, "agent_id": self.episodes[e].turns[c].agent_id,
-             "state": joint_state(self.episodes[e], c)}
+            {
+                **self.episodes[e].metadata,
+                "turn": c,
+                "agent_id": self.episodes[e].turns[c].agent_id,
+                "state": joint_state(self.episodes[e], c),
+            }
             for e, c, _ in rows
         ]
         return batch
@@ -162,7 +177,7 @@ def collect(
     seed: int | None = None,
     rng: torch.Generator | None = None,
 ) -> Rollout:
-    """Play ``batch_size * group_size`` episodes with ``policy`` answering every turn through the generation ``backend``.
+    """Play ``batch_size * group_size`` episodes, ``policy`` answering every turn through the generation ``backend``.
 
     ``seed`` picks the environment's tasks; ``rng`` drives the sampling.
     """

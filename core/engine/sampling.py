@@ -105,7 +105,9 @@ class Sampler:
         refill: dict[str, float] = {}
         if self.refill_rounds:
             batch, refill = self._refill(step, rounds)
-        return Sampled(batch, mean64(torch.cat([r.global_scores for r in rounds])), {**self._metrics(rounds, batch), **refill})
+        return Sampled(
+            batch, mean64(torch.cat([r.global_scores for r in rounds])), {**self._metrics(rounds, batch), **refill}
+        )
 
     def rollout(self, step: int, refill: int = 0) -> Round:
         """Sample and score one rollout (``refill``: the step's n-th extra one, with tasks and samples of its own)."""
@@ -120,22 +122,32 @@ class Sampler:
         # math in fp32); any gap to the learner's log-probs this leaves is logged as rollout/* and can be corrected.
         with self.watchdog.phase("rollout"), self.dist.gathered(self.policy), self.autocast():
             ro = collect(
-                self.env, self.policy, self.generator, self.params, self.local_batch_size,
-                group_size=t.group_size, seed=derive_seed(seed, "tasks" + stream, step), rng=gen,
+                self.env,
+                self.policy,
+                self.generator,
+                self.params,
+                self.local_batch_size,
+                group_size=t.group_size,
+                seed=derive_seed(seed, "tasks" + stream, step),
+                rng=gen,
             )
         generate_s = time.perf_counter() - started
         # multi-agent: one reward call over every row credit assignment needs (agents.credit "role" gives each agent's
         # rows its own turn's reward; per-agent metrics either way), then the plan splits that one output
-        plan = None if self.config.agents is None else credit_plan(ro.episodes, self.agent_ids, self.config.agents.credit)
+        plan = (
+            None if self.config.agents is None else credit_plan(ro.episodes, self.agent_ids, self.config.agents.credit)
+        )
         with self.watchdog.phase("reward"):
             rows = ro.reward_rows() if plan is None else plan.rows
             scored, global_scores = score_global(self.reward, self.dist, *rows, counted=len(ro.episodes))
-        agent_scores, agent_metrics = None, {}
+        agent_scores: dict[AgentId, torch.Tensor] | None = None
+        agent_metrics: dict[str, float] = {}
         if plan is not None:
             scored, agent_scores, agent_metrics = plan.assign(scored)
         reward_s = time.perf_counter() - started - generate_s
-        batch = ro.experience(scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id,
-                              agent_scores=agent_scores)
+        batch = ro.experience(
+            scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id, agent_scores=agent_scores
+        )
         return Round(ro, batch, scored, global_scores, agent_metrics, generate_s, reward_s)
 
     def _refill(self, step: int, rounds: list[Round]) -> tuple[Experience, dict[str, float]]:
@@ -148,7 +160,9 @@ class Sampler:
         while drawn < self.refill_rounds and self.dist.any_true(short > 0):
             drawn += 1
             more = self.rollout(step, refill=drawn)
-            more.batch.group_ids = more.batch.group_ids + int(batch.group_ids.max()) + 1  # a fresh rollout numbers from 0
+            more.batch.group_ids = (
+                more.batch.group_ids + int(batch.group_ids.max()) + 1
+            )  # a fresh rollout numbers from 0
             batch = Experience.concat([batch, more.batch], pad_token_id=self.policy.tokenizer.pad_token_id)
             rounds.append(more)
             short = self.groups_short(batch)
@@ -157,7 +171,9 @@ class Sampler:
     def _metrics(self, rounds: list[Round], batch: Experience) -> dict[str, float]:
         """The sampling metrics over every kept row (the mean reward and its EMA are the trainer's)."""
         first, last = rounds[0].scored, rounds[-1].scored
-        components = {f"reward/{k}": mean64(torch.cat([r.scored.components[k] for r in rounds])) for k in first.components}
+        components = {
+            f"reward/{k}": mean64(torch.cat([r.scored.components[k] for r in rounds])) for k in first.components
+        }
         generated = int(batch.completion_mask.sum())
         generate_s = sum(r.generate_s for r in rounds)
         metrics = {

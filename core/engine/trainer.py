@@ -74,7 +74,12 @@ class EvalResult:
     max_score: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reward": self.reward, "components": dict(self.components), "tasks": self.tasks, "max_score": self.max_score}
+        return {
+            "reward": self.reward,
+            "components": dict(self.components),
+            "tasks": self.tasks,
+            "max_score": self.max_score,
+        }
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         out = {f"{prefix}/reward": self.reward}
@@ -100,7 +105,9 @@ class Trainer:
     started (:meth:`DistributedContext.from_config <palestra.scale.distributed.DistributedContext.from_config>`).
     """
 
-    def __init__(self, config: Config, *, run_dir: str | Path | None = None, components: RunComponents | None = None) -> None:
+    def __init__(
+        self, config: Config, *, run_dir: str | Path | None = None, components: RunComponents | None = None
+    ) -> None:
         if components is None:
             components = build_run(config, DistributedContext.from_config(config, config.train.device))
         elif components.config is not config:
@@ -119,9 +126,17 @@ class Trainer:
         self.checked_env, self.checked_eval_env = self.checked(self.env), self.checked(self.eval_env)
         agent_ids = self.env.agent_ids if config.agents is not None else ()  # credit assignment's, multi-agent only
         self.sampler = Sampler(
-            config, env=self.checked_env, agent_ids=agent_ids, policy=self.policy, generator=self.generator,
-            reward=self.reward, dist=self.dist, watchdog=self.watchdog, autocast=self.context.autocast,
-            refill_rounds=self.algorithm.refill_rounds, groups_short=self.algorithm.groups_short,
+            config,
+            env=self.checked_env,
+            agent_ids=agent_ids,
+            policy=self.policy,
+            generator=self.generator,
+            reward=self.reward,
+            dist=self.dist,
+            watchdog=self.watchdog,
+            autocast=self.context.autocast,
+            refill_rounds=self.algorithm.refill_rounds,
+            groups_short=self.algorithm.groups_short,
         )
         self.local_batch_size = self.sampler.local_batch_size
         self.stop_signals = StopSignals()
@@ -137,13 +152,20 @@ class Trainer:
 
     def checked(self, env: Any) -> CheckedEnvironment:
         """``env`` with its calls timed (``train.data_timeout_s``, the watchdog) and checked against the protocol."""
-        return CheckedEnvironment(env, name=self.config.environment.name, timeout_s=self.config.train.data_timeout_s,
-                                  watchdog=self.watchdog)
+        return CheckedEnvironment(
+            env, name=self.config.environment.name, timeout_s=self.config.train.data_timeout_s, watchdog=self.watchdog
+        )
 
     def run_state(self, metrics: Mapping[str, float] | None = None) -> RunState:
         """What the lifecycle hooks see of the run now (read-only)."""
-        return RunState(step=self.step_index, config=self.config, run_dir=self.run_dir, metrics=metrics or {},
-                        rank=self.dist.rank, world_size=self.dist.world_size)
+        return RunState(
+            step=self.step_index,
+            config=self.config,
+            run_dir=self.run_dir,
+            metrics=metrics or {},
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
 
     # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -187,8 +209,11 @@ class Trainer:
         self.bad_steps += 1
         limit, step = self.config.train.max_bad_steps, self.step_index
         if self.dist.is_main:
-            warnings.warn(f"step {step + 1} skipped: {why} ({self.bad_steps} in a row, limit train.max_bad_steps={limit})",
-                          NonFiniteStepWarning, stacklevel=3)
+            warnings.warn(
+                f"step {step + 1} skipped: {why} ({self.bad_steps} in a row, limit train.max_bad_steps={limit})",
+                NonFiniteStepWarning,
+                stacklevel=3,
+            )
         if self.bad_steps >= limit:
             raise TrainingAborted(
                 f"train.max_bad_steps: {self.bad_steps} steps in a row were skipped (non-finite reward, loss or "
@@ -215,8 +240,14 @@ class Trainer:
         # Every rank evaluates the same tasks (the same greedy answers: the weights are identical), so that FSDP's
         # collectives see every rank and the number needs no reduction.
         with self.watchdog.phase("eval"), self.dist.gathered(self.policy), self.context.autocast():
-            ro = collect(self.checked_eval_env, self.policy, self.generator, params, n,
-                         seed=derive_seed(self.config.run.seed, "held-out"))
+            ro = collect(
+                self.checked_eval_env,
+                self.policy,
+                self.generator,
+                params,
+                n,
+                seed=derive_seed(self.config.run.seed, "held-out"),
+            )
             scored = self.reward.evaluate(*ro.reward_rows())
         comps = {k: mean64(v) for k, v in scored.components.items()}
         return EvalResult(mean64(scored.scores), comps, n, self.reward.max_score)
@@ -253,7 +284,9 @@ class Trainer:
             self.watchdog.stop()
             for logger in self.loggers:
                 logger.close()
-        return TrainResult(self.before, after, metrics, self.run_dir, self.step_index, time.perf_counter() - started, history)
+        return TrainResult(
+            self.before, after, metrics, self.run_dir, self.step_index, time.perf_counter() - started, history
+        )
 
     def _train_steps(self, history: list[dict[str, float]]) -> EvalResult:
         """The steps from ``self.step_index`` to ``train.steps``, the final evaluation and checkpoint."""
@@ -298,8 +331,13 @@ class Trainer:
         """The run's state (:func:`palestra.engine.checkpoint.capture_state`), with what plugins add to it.
         Collective under torchrun: every rank must call it; the complete state is meaningful on rank 0."""
         state = ckpt.capture_state(
-            self.components, self.learner, step=self.step_index, run_id=self.run_id, reward_ema=self.reward_ema,
-            bad_steps=self.bad_steps, before=self.before.to_dict() if self.before is not None else None,
+            self.components,
+            self.learner,
+            step=self.step_index,
+            run_id=self.run_id,
+            reward_ema=self.reward_ema,
+            bad_steps=self.bad_steps,
+            before=self.before.to_dict() if self.before is not None else None,
             run_dir=self.run_dir,
         )
         self.hooks.on_checkpoint_save(run=self.run_state(), state=state)
@@ -323,7 +361,9 @@ class Trainer:
             state = self.state_dict()
             path = self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_name(self.step_index)
             if self.dist.is_main:
-                path = ckpt.save_step_checkpoint(self.run_dir, state, self.step_index, self.config.train.keep_checkpoints)
+                path = ckpt.save_step_checkpoint(
+                    self.run_dir, state, self.step_index, self.config.train.keep_checkpoints
+                )
         self.saved_step = self.step_index
         return path
 

@@ -89,7 +89,7 @@ class StepWatchdog:
             self._phases.clear()
             self._since = None
 
-    def __enter__(self) -> StepWatchdog:  # noqa: PYI034
+    def __enter__(self) -> StepWatchdog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -151,7 +151,8 @@ class StepWatchdog:
             self.stream.flush()
         except Exception:  # noqa: BLE001 - a closed or odd stream must not stop the exit
             with contextlib.suppress(Exception):
-                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+                if sys.__stderr__ is not None:  # None under pythonw and some embedders: nowhere to write
+                    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         finally:
             os._exit(self.exit_code)
 
@@ -197,8 +198,14 @@ class Interrupted(BaseException):
     reports a plugin's errors) turns it into something else. :meth:`line` is what the command prints.
     """
 
-    def __init__(self, signum: int, *, saved_step: int | None = None, run_dir: str | os.PathLike[str] | None = None,
-                 at_once: bool = False) -> None:
+    def __init__(
+        self,
+        signum: int,
+        *,
+        saved_step: int | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        at_once: bool = False,
+    ) -> None:
         super().__init__(signum)
         self.signum, self.saved_step, self.run_dir, self.at_once = signum, saved_step, run_dir, at_once
 
@@ -235,7 +242,7 @@ class StopSignals:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignals:  # noqa: PYI034
+    def __enter__(self) -> StopSignals:
         self.received = None
         if threading.current_thread() is not threading.main_thread():
             return self

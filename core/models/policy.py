@@ -28,7 +28,6 @@ import torch
 
 from palestra.types import AgentId, Observation
 
-
 # score() fuses the output head with the log-prob kernel (palestra.kernels.linear_logprob_entropy) only when the
 # fp32 logits of a call would take at least this much memory: the fused op never keeps them, but on a CPU it is
 # about 0.9x the speed of the unfused path (docs/kernels.md), so small heads (the tiny policy's) stay unfused.
@@ -221,7 +220,8 @@ class CausalLMPolicy(torch.nn.Module):
             torch.nn.init.zeros_(head.weight)  # start from V = 0: the first advantages are the plain returns
             torch.nn.init.zeros_(head.bias)
             ref = next(self.output_head().parameters())
-            self.value_head = head.to(device=ref.device, dtype=ref.dtype)
+            # nn.Module.__setattr__ registers the submodule (the property only reads it back): not a property write
+            self.value_head = head.to(device=ref.device, dtype=ref.dtype)  # type: ignore[misc]
         return self.value_head
 
     def score(
@@ -262,6 +262,7 @@ class CausalLMPolicy(torch.nn.Module):
             # precision: the fused op computes its logits in fp32, and its four fp32 head matmuls were a third of a
             # bf16 SmolLM2 update on a CPU with bf16 matrix units (docs/performance.md).
             head = None
+        ent: torch.Tensor | None
         if head is None:
             logits = self.logits(states)
             tokens = completion_ids.masked_fill(~completion_mask, -100)
@@ -293,7 +294,9 @@ class CausalLMPolicy(torch.nn.Module):
         completion_mask: torch.Tensor,
         agent_ids: Sequence[AgentId] | None = None,
     ) -> torch.Tensor:
-        return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids).logprobs
+        return self.score(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids
+        ).logprobs
 
     @torch.no_grad()
     def decode_step(

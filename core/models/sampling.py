@@ -3,7 +3,8 @@
 Works with any :class:`palestra.models.policy.CausalLMPolicy`: the prompt is prefilled with one
 ``policy.decode_step`` call, then every step feeds one token per row and reuses the cache. Rows end on
 the tokenizer's EOS, on ``params.stop_token_ids``, on a stop string, or at their length limit:
-``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed padding (masked out) until every row is done, which ends the loop early.
+``params.max_new_tokens``, or a row's own smaller cap (``Observation.max_new_tokens``); finished rows are fed
+padding (masked out) until every row is done, which ends the loop early.
 
 The result follows the completion conventions of :class:`palestra.types.Generation`:
 
@@ -42,9 +43,9 @@ def check_params(params: SamplingParams) -> None:
     for i, s in enumerate(params.stop):
         if not isinstance(s, str) or not s:
             raise ValueError(f"SamplingParams.stop[{i}]: expected a non-empty string, got {s!r}")
-    for i, s in enumerate(params.stop_token_ids):
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ValueError(f"SamplingParams.stop_token_ids[{i}]: expected an integer token id, got {s!r}")
+    for i, token_id in enumerate(params.stop_token_ids):
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"SamplingParams.stop_token_ids[{i}]: expected an integer token id, got {token_id!r}")
 
 
 def pick_tokens(
@@ -169,9 +170,11 @@ class _StopStrings:
 
 
 def _check_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-    """Raise a one-line ValueError unless the prompts are a non-empty, left-padded int64 ``[B, P]`` with its bool mask."""
+    """Raise a one-line ValueError unless the prompts are a non-empty, left-padded int64 ``[B, P]`` and bool mask."""
     if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.int64:
-        raise ValueError(f"prompt_ids: expected an int64 tensor [B, P], got {prompt_ids.dtype} {list(prompt_ids.shape)}")
+        raise ValueError(
+            f"prompt_ids: expected an int64 tensor [B, P], got {prompt_ids.dtype} {list(prompt_ids.shape)}"
+        )
     if prompt_mask.shape != prompt_ids.shape or prompt_mask.dtype != torch.bool:
         raise ValueError(
             f"prompt_mask: expected a bool tensor shaped like prompt_ids {list(prompt_ids.shape)}, "
@@ -226,8 +229,16 @@ class _Draws:
 
 
 def _decode_loop(
-    policy: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, out: _Draws, *,
-    end_ids: list[int], watch: _StopStrings, caps: list[int] | None, generator: torch.Generator | None,
+    policy: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    out: _Draws,
+    *,
+    end_ids: list[int],
+    watch: _StopStrings,
+    caps: list[int] | None,
+    generator: torch.Generator | None,
     agent_ids: Sequence[AgentId] | None,
 ) -> None:
     """Prefill the prompt, then draw one token per row per step into ``out`` until every row is done or full."""
@@ -264,11 +275,15 @@ def _decode_loop(
         if t == n - 1 or bool(done.all()):
             break
         torch.logical_not(done, out=mask[:, p + t])
-        logits, cache = policy.decode_step(token[:, None], mask[:, : p + t + 1], next_position, cache, agent_ids=agent_ids)
+        logits, cache = policy.decode_step(
+            token[:, None], mask[:, : p + t + 1], next_position, cache, agent_ids=agent_ids
+        )
         next_position = next_position + 1
 
 
-def _texts(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: list[int]) -> list[str]:
+def _texts(
+    tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: list[int]
+) -> list[str]:
     """Each row's completion as text, without the EOS / stop token that ended it."""
     lengths = completion_mask.sum(-1).tolist()
     end_set = set(end_ids)
@@ -318,8 +333,18 @@ def sample(
     watch = _StopStrings(tokenizer, _row_stops(params, stops, b))
     out = _Draws.empty(b, n, tokenizer.pad_token_id, prompt_ids.device)
     if n > 0:
-        _decode_loop(policy, prompt_ids, prompt_mask, params, out, end_ids=end_ids, watch=watch, caps=caps,
-                     generator=generator, agent_ids=agent_ids)
+        _decode_loop(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            params,
+            out,
+            end_ids=end_ids,
+            watch=watch,
+            caps=caps,
+            generator=generator,
+            agent_ids=agent_ids,
+        )
     completion_ids = out.ids[:, : out.steps]
     completion_mask = out.mask[:, : out.steps]
     return Generation(
@@ -351,8 +376,13 @@ def generate(
     prompt_ids, prompt_mask = policy.encode_observations(observations)
     stops = [list(o.stop or []) for o in observations]
     return sample(
-        policy, prompt_ids, prompt_mask, params, stops=stops if any(stops) else None,
-        max_new_tokens=caps if any(c is not None for c in caps) else None, generator=generator,
+        policy,
+        prompt_ids,
+        prompt_mask,
+        params,
+        stops=stops if any(stops) else None,
+        max_new_tokens=caps if any(c is not None for c in caps) else None,
+        generator=generator,
         agent_ids=[o.agent_id for o in observations],
     )
 

@@ -34,7 +34,11 @@ def _row(episode: Episode, turn: int) -> tuple[str, str, dict[str, Any]]:
     """The reward row of ``episode.turns[turn]``: its prompt, its completion, and the episode's metadata plus the
     turn's ``agent_id``, ``turn`` and the environment's ``info`` (so a reward can score agents differently)."""
     t = episode.turns[turn]
-    return t.observation.prompt, t.completion, {**episode.metadata, "agent_id": t.agent_id, "turn": t.observation.turn, "info": t.info}
+    return (
+        t.observation.prompt,
+        t.completion,
+        {**episode.metadata, "agent_id": t.agent_id, "turn": t.observation.turn, "info": t.info},
+    )
 
 
 def _last_turn(episode: Episode, agent_id: AgentId | None) -> int | None:
@@ -96,10 +100,14 @@ class CreditPlan:
 
         total = len(self.rows[0])
         if scored.scores.shape[0] != total:
-            raise ValueError(f"CreditPlan.assign: the reward scored {scored.scores.shape[0]} rows; the plan has {total}")
+            raise ValueError(
+                f"CreditPlan.assign: the reward scored {scored.scores.shape[0]} rows; the plan has {total}"
+            )
         n = self.team_rows
-        team = scored if n == total else RewardOutput(
-            scored.scores[:n], {k: v[:n] for k, v in scored.components.items()}, scored.metrics
+        team = (
+            scored
+            if n == total
+            else RewardOutput(scored.scores[:n], {k: v[:n] for k, v in scored.components.items()}, scored.metrics)
         )
         agent_scores: dict[AgentId, torch.Tensor] = {}
         metrics: dict[str, float] = {}

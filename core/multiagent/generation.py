@@ -44,7 +44,12 @@ def merge_generations(parts: Sequence[Generation], rows: Sequence[Sequence[int]]
 
 
 def generate_by_agent(
-    backend: Generator, policy: Any, observations: Sequence[Observation], params: SamplingParams, *, rng: torch.Generator | None = None
+    backend: Generator,
+    policy: Any,
+    observations: Sequence[Observation],
+    params: SamplingParams,
+    *,
+    rng: torch.Generator | None = None,
 ) -> Generation:
     """Sample every row with ``policy``, one backend call per policy that plays the rows' agents; one Generation back.
 

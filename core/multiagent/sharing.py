@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -107,7 +107,9 @@ class MultiAgentPolicy(torch.nn.Module):
         check_sharing(agents, groups, path=path)
         uncovered = [n for n, _ in base.named_parameters() if _group_of(n, groups) is None]
         if uncovered:
-            raise ConfigError(f"{path}: parameters {', '.join(uncovered[:4])} of {type(base).__name__} are in no layer group")
+            raise ConfigError(
+                f"{path}: parameters {', '.join(uncovered[:4])} of {type(base).__name__} are in no layer group"
+            )
         self.config = agents
         self.groups = {g: list(p) for g, p in groups.items()}
         self.shared_groups = [g for g in groups if g in agents.shared_layers]
@@ -179,7 +181,8 @@ class MultiAgentPolicy(torch.nn.Module):
 
     def enable_value_head(self) -> Any:
         """A value head per agent view (heads are never shared: each agent's returns are its own)."""
-        return [self.views[k].enable_value_head() for k in self.views]
+        # the views are policies of the base's class (built in __init__); ModuleDict types them as Module
+        return [cast(CausalLMPolicy, self.views[k]).enable_value_head() for k in self.views]
 
     def set_gradient_checkpointing(self, on: bool) -> None:
         for view in self.views.values():
@@ -211,7 +214,9 @@ class MultiAgentPolicy(torch.nn.Module):
         if agent_ids is None:
             return self._single_view("score").score(prompt_ids, prompt_mask, completion_ids, completion_mask, **kw)
         if len(agent_ids) != prompt_ids.shape[0]:
-            raise ValueError(f"MultiAgentPolicy.score: agent_ids has {len(agent_ids)} entries for {prompt_ids.shape[0]} rows")
+            raise ValueError(
+                f"MultiAgentPolicy.score: agent_ids has {len(agent_ids)} entries for {prompt_ids.shape[0]} rows"
+            )
         order = list(dict.fromkeys(agent_ids))
         if len(order) == 1:
             return self.for_agent(order[0]).score(prompt_ids, prompt_mask, completion_ids, completion_mask, **kw)
@@ -219,7 +224,9 @@ class MultiAgentPolicy(torch.nn.Module):
         parts = []
         for agent, idx in zip(order, rows):
             t = torch.as_tensor(idx, device=prompt_ids.device)
-            parts.append(self.for_agent(agent).score(prompt_ids[t], prompt_mask[t], completion_ids[t], completion_mask[t], **kw))
+            parts.append(
+                self.for_agent(agent).score(prompt_ids[t], prompt_mask[t], completion_ids[t], completion_mask[t], **kw)
+            )
         inverse = torch.empty(len(agent_ids), dtype=torch.int64, device=prompt_ids.device)
         inverse[torch.as_tensor([i for idx in rows for i in idx], device=prompt_ids.device)] = torch.arange(
             len(agent_ids), device=prompt_ids.device
@@ -232,7 +239,9 @@ class MultiAgentPolicy(torch.nn.Module):
         return TokenScores(logprobs=joined("logprobs"), entropy=joined("entropy"), values=joined("values"))  # type: ignore[arg-type]
 
     def token_logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask, agent_ids=None):
-        return self.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids).logprobs
+        return self.score(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, agent_ids=agent_ids
+        ).logprobs
 
     @torch.no_grad()
     def decode_step(

@@ -49,4 +49,7 @@ def per_token(fn: str, name: str, x: torch.Tensor, ref_name: str, ref: torch.Ten
     if ref.dim() >= 1 and x.dim() == 1 and x.shape[0] == ref.shape[0]:
         return x.reshape((-1,) + (1,) * (ref.dim() - 1)).expand(ref.shape)
     rows = ref.shape[0] if ref.dim() else 1
-    raise ValueError(f"{fn}: {name} has shape {shape_str(x)}, expected {shape_str(ref)} or [{rows}] (per token or per row of {ref_name})")
+    raise ValueError(
+        f"{fn}: {name} has shape {shape_str(x)}, expected "
+        f"{shape_str(ref)} or [{rows}] (per token or per row of {ref_name})"
+    )

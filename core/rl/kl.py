@@ -12,7 +12,9 @@ __all__ = ["kl_divergence"]
 MAX_LOG_RATIO = 20.0
 
 
-def kl_divergence(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_divergence(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
     """Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi.
 
     With ``log_r = ref_logp - logp``: ``k1 = -log_r`` (unbiased, high variance, can be negative),

@@ -43,7 +43,9 @@ def _clip_range(fn: str, clip_low: float, clip_high: float | None) -> tuple[floa
     lo = float(clip_low)
     hi = float(clip_high) if clip_high is not None else lo
     if not (0 < lo < 1) or not hi > 0:
-        raise ValueError(f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}")
+        raise ValueError(
+            f"{fn}: clip_low must be in (0, 1) and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
     return lo, hi
 
 
@@ -84,7 +86,7 @@ def clipped_surrogate(
     ``ratio_mean``, and ``approx_kl`` (the k3 estimate ``E[(r - 1) - log r]`` of KL(behaviour || current)).
     """
     fn = "clipped_surrogate"
-    lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
+    _lp, a, m, log_ratio = _policy_inputs(fn, logp, behaviour_logp, adv, mask)
     lo, hi = _clip_range(fn, clip_low, clip_high)
     ratio = torch.exp(log_ratio)
     return _pessimistic(ratio, a, m, lo, hi), _clip_metrics(ratio, a, m, lo, hi, log_ratio)

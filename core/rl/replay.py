@@ -34,8 +34,16 @@ if TYPE_CHECKING:
 __all__ = ["ReplayBuffer", "check_replay_options"]
 
 # Per-row tensors every replayed row keeps; ref_logprobs is kept too when the batch has it.
-FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behaviour_logprobs",
-          "rewards", "advantages", "group_ids")
+FIELDS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "behaviour_logprobs",
+    "rewards",
+    "advantages",
+    "group_ids",
+)
 
 
 def check_replay_options(capacity: int, rows: int) -> None:
@@ -45,8 +53,11 @@ def check_replay_options(capacity: int, rows: int) -> None:
         from palestra.config import OptionError
 
         key = "replay_rows" if capacity > 0 else "replay_capacity"
-        raise OptionError(key, f"replay needs both replay_capacity and replay_rows > 0; got replay_capacity={capacity}, "
-                               f"replay_rows={rows}")
+        raise OptionError(
+            key,
+            f"replay needs both replay_capacity and replay_rows > 0; got replay_capacity={capacity}, "
+            f"replay_rows={rows}",
+        )
 
 
 def replay_fields(batch: Experience, *, copy: bool) -> Experience:
@@ -56,8 +67,12 @@ def replay_fields(batch: Experience, *, copy: bool) -> Experience:
         return t.detach().clone() if copy else t.detach()
 
     ref = batch.ref_logprobs
-    return Experience(**{k: keep(getattr(batch, k)) for k in FIELDS}, agent_ids=list(batch.agent_ids),
-                      ref_logprobs=None if ref is None else keep(ref))
+    kept: dict[str, Any] = {k: keep(getattr(batch, k)) for k in FIELDS}  # tensor fields, each by its name
+    return Experience(
+        **kept,
+        agent_ids=list(batch.agent_ids),
+        ref_logprobs=None if ref is None else keep(ref),
+    )
 
 
 class ReplayBuffer:
@@ -102,8 +117,11 @@ class ReplayBuffer:
         sizes = torch.tensor([0] + [b.batch_size for b in self.batches])
         starts = sizes.cumsum(0)  # starts[i]: the first row of stored batch i; starts[-1] == total
         cuts = torch.searchsorted(picked, starts).tolist()  # picked[cuts[i]:cuts[i + 1]] fall in batch i
-        pieces = [stored.select(picked[lo:hi] - int(starts[i]))
-                  for i, (stored, lo, hi) in enumerate(zip(self.batches, cuts, cuts[1:])) if hi > lo]
+        pieces = [
+            stored.select(picked[lo:hi] - int(starts[i]))
+            for i, (stored, lo, hi) in enumerate(zip(self.batches, cuts, cuts[1:]))
+            if hi > lo
+        ]
         return Experience.concat([replay_fields(batch, copy=False), *pieces], pad_token_id=pad_token_id)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
@@ -120,5 +138,10 @@ class ReplayBuffer:
         self.batches.clear()
         for rows in state:
             ref = rows.get("ref_logprobs")
-            self.batches.append(Experience(**{k: rows[k].clone() for k in FIELDS}, agent_ids=list(rows["agent_ids"]),
-                                           ref_logprobs=None if ref is None else ref.clone()))
+            self.batches.append(
+                Experience(
+                    **{k: rows[k].clone() for k in FIELDS},
+                    agent_ids=list(rows["agent_ids"]),
+                    ref_logprobs=None if ref is None else ref.clone(),
+                )
+            )

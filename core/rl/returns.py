@@ -65,6 +65,8 @@ def kl_shaped_rewards(batch: Experience, kl_coef: float, estimator: str) -> torc
     if kl_coef > 0:
         if batch.ref_logprobs is None:
             raise ValueError("kl_shaped_rewards: kl_coef > 0 needs batch.ref_logprobs (a reference policy)")
-        kl = kl_divergence(batch.behaviour_logprobs.float(), batch.ref_logprobs.float(), batch.completion_mask, estimator)
+        kl = kl_divergence(
+            batch.behaviour_logprobs.float(), batch.ref_logprobs.float(), batch.completion_mask, estimator
+        )
         rewards = rewards - kl_coef * kl
     return rewards

@@ -56,7 +56,9 @@ def group_tie_stats(
     sums = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inverse, r)
     mean = sums / counts.double()
     centred = r - mean[inverse]
-    var = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inverse, centred * centred) / counts.double()
+    var = (
+        torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inverse, centred * centred) / counts.double()
+    )
     std = var.sqrt()
     real = counts >= 2
     n = int(real.sum())

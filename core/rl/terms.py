@@ -47,8 +47,10 @@ def entropy_and_kl(
             per_token = per_token + kl_coef * kl
         metrics["policy/kl"] = masked_mean(kl, mask)
     elif kl_coef > 0:
-        raise ValueError("entropy_and_kl: the KL term needs reference log-probs (batch.ref_logprobs); the learner "
-                         "scores them in prepare() when the algorithm says needs_reference")
+        raise ValueError(
+            "entropy_and_kl: the KL term needs reference log-probs (batch.ref_logprobs); the learner "
+            "scores them in prepare() when the algorithm says needs_reference"
+        )
     return per_token, metrics
 
 

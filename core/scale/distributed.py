@@ -79,7 +79,9 @@ class DistributedContext:
             return cls(device=dev, strategy=d.strategy, timeout_s=d.timeout_s)
         if want_cuda:
             if device not in ("auto", "cuda"):
-                raise ValueError(f"train.device: under torchrun use 'auto' or 'cuda' (one GPU per rank), got {device!r}")
+                raise ValueError(
+                    f"train.device: under torchrun use 'auto' or 'cuda' (one GPU per rank), got {device!r}"
+                )
             dev = torch.device("cuda", local_rank)
             torch.cuda.set_device(dev)
         else:
@@ -89,11 +91,19 @@ class DistributedContext:
             raise ValueError("distributed.backend: nccl needs CUDA devices; use gloo (or auto) on the CPU")
         if not dist.is_initialized():
             dist.init_process_group(
-                backend=backend, timeout=datetime.timedelta(seconds=d.timeout_s),
+                backend=backend,
+                timeout=datetime.timedelta(seconds=d.timeout_s),
                 device_id=dev if dev.type == "cuda" else None,
             )
-        return cls(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend,
-                   strategy=d.strategy, timeout_s=d.timeout_s)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            device=dev,
+            backend=backend,
+            strategy=d.strategy,
+            timeout_s=d.timeout_s,
+        )
 
     # ---- who am I ------------------------------------------------------------------------------------
     @property
@@ -210,10 +220,12 @@ class DistributedContext:
         plain = [p for p in params if not _is_dtensor(p)]
         if not plain:
             return
+        grads: list[torch.Tensor] = []
         for p in plain:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in plain], _BUCKET_BYTES):
+            grads.append(p.grad)
+        for bucket in _buckets(grads, _BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(self.world_size)
@@ -293,7 +305,9 @@ def load_full_state_dict(module: torch.nn.Module, state: Mapping[str, torch.Tens
                 raise KeyError(f"the checkpoint has no {name!r}")
             full = state[name].to(dtype=tensor.dtype)
             if isinstance(tensor, DTensor):
-                tensor.copy_(distribute_tensor(full.to(tensor.device_mesh.device_type), tensor.device_mesh, tensor.placements))
+                tensor.copy_(
+                    distribute_tensor(full.to(tensor.device_mesh.device_type), tensor.device_mesh, tensor.placements)
+                )
             else:
                 tensor.copy_(full)
 

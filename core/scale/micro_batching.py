@@ -78,7 +78,11 @@ def row_widths(batch: Experience) -> tuple[torch.Tensor, torch.Tensor]:
     cm = batch.completion_mask.to(torch.bool).cpu()
     p, t = pm.shape[1], cm.shape[1]
     cols_p = torch.arange(p)
-    first = torch.where(pm, cols_p, torch.full_like(cols_p, p)).amin(-1) if p else torch.zeros(pm.shape[0], dtype=torch.long)
+    first = (
+        torch.where(pm, cols_p, torch.full_like(cols_p, p)).amin(-1)
+        if p
+        else torch.zeros(pm.shape[0], dtype=torch.long)
+    )
     prompt = (p - first).clamp(min=1)
     cols_t = torch.arange(t)
     last = torch.where(cm, cols_t, torch.full_like(cols_t, -1)).amax(-1) if t else torch.full((cm.shape[0],), -1)
@@ -92,9 +96,7 @@ def row_tokens(batch: Experience) -> torch.Tensor:
     return p + t
 
 
-def plan_micro_batches(
-    batch: Experience, budget: int, generator: torch.Generator | None = None
-) -> list[torch.Tensor]:
+def plan_micro_batches(batch: Experience, budget: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """Row indices of micro-batches of at most ``budget`` padded tokens each (see the module docstring).
 
     With a ``generator`` rows are drawn in a random order first (ties in length stay random) and the
@@ -183,7 +185,8 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def model_dims(policy: Any) -> dict[str, int]:
-    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
+    """``layers``, ``hidden``, ``heads``, ``vocab`` of a policy: its own
+    :meth:`~palestra.models.policy.CausalLMPolicy.model_dims`
     when it states one (:class:`~palestra.models.policy.ShapeAware`: a causal-LM policy, or a multi-agent one over
     it), else guessed from the parameter count."""
     from palestra.models.policy import ShapeAware
@@ -215,8 +218,14 @@ def activation_bytes_per_token(
 
 
 def auto_token_budget(
-    policy: Any, device: torch.device, seq_len: int, elem_bytes: int, *, checkpointing: bool = False,
-    free_bytes: int | None = None, fraction: float = MEMORY_FRACTION,
+    policy: Any,
+    device: torch.device,
+    seq_len: int,
+    elem_bytes: int,
+    *,
+    checkpointing: bool = False,
+    free_bytes: int | None = None,
+    fraction: float = MEMORY_FRACTION,
 ) -> int:
     """Tokens per micro-batch that fit ``fraction`` of the free memory (weights, gradients and optimiser state
     are already allocated, so free memory is what activations can use). At least 1."""

@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-
 __all__ = ["CPUMasterWeights", "borrowed"]
 
 from palestra.scale.micro_batching import free_cached_memory

@@ -20,7 +20,7 @@ The scaler's state is part of :meth:`Learner.state_dict` (exact resume keeps the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,9 @@ class Precision:
         self.device_type = device_type
         self.dtype: torch.dtype | None = PRECISIONS[mode]
         if self.dtype is not None and not torch.amp.is_autocast_available(device_type):
-            raise ConfigError(f"train.precision: {mode} needs torch.autocast on {device_type!r}, which this torch lacks")
+            raise ConfigError(
+                f"train.precision: {mode} needs torch.autocast on {device_type!r}, which this torch lacks"
+            )
         if mode == "fp16" and param_dtype == torch.float16:
             # GradScaler cannot unscale fp16 gradients (it refuses); loss scaling needs fp32 master weights.
             raise ConfigError(

@@ -67,5 +67,7 @@ def check(kind: str, component: str | Callable[..., Any], options: dict[str, Any
     try:
         run = CHECKS[kind]
     except KeyError:
-        raise ValueError(f"palestra.testing.check: no check for kind {kind!r}; the kinds are {', '.join(CHECKS)}") from None
+        raise ValueError(
+            f"palestra.testing.check: no check for kind {kind!r}; the kinds are {', '.join(CHECKS)}"
+        ) from None
     run(component, options, **kwargs)

@@ -27,7 +27,9 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if set(a) != set(b):
             missing, extra = sorted(map(str, set(a) - set(b))), sorted(map(str, set(b) - set(a)))
-            return f"{here}: keys differ (only in the first: {missing or 'none'}; only in the second: {extra or 'none'})"
+            return (
+                f"{here}: keys differ (only in the first: {missing or 'none'}; only in the second: {extra or 'none'})"
+            )
         for key in a:
             found = first_difference(a[key], b[key], f"{path}[{key!r}]")
             if found:

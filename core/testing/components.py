@@ -22,8 +22,9 @@ class Subject:
     make: Callable[[], Any]
 
 
-def subject(kind: str, component: str | Callable[..., Any], options: Mapping[str, Any] | None = None,
-            *, name: str | None = None) -> Subject:
+def subject(
+    kind: str, component: str | Callable[..., Any], options: Mapping[str, Any] | None = None, *, name: str | None = None
+) -> Subject:
     """A :class:`Subject` for a registered ``component`` name (built through the registry, options validated as a
     config would be) or for a factory called with ``options`` as keyword arguments.
 

@@ -75,12 +75,22 @@ def check_environment(
     c = Contract("environment", subj.label, RULES)
     respond = respond or (lambda obs: cycle_completions(len(obs)))
     env = _build(subj, c)
-    for attribute, rule, problem_of in (("agent_ids", "agent ids", rules.agent_ids_problem), ("max_turns", "max turns", rules.max_turns_problem)):
+    for attribute, rule, problem_of in (
+        ("agent_ids", "agent ids", rules.agent_ids_problem),
+        ("max_turns", "max turns", rules.max_turns_problem),
+    ):
         problem = problem_of(getattr(env, attribute, None))
         c.require(problem is None, attribute, rule, problem or "")
 
     first = _reset(env, c, batch_size, group_size, seed)
-    _same(c, "reset", "same seed, same tasks", first, _reset(env, c, batch_size, group_size, seed), "a second reset on the same instance")
+    _same(
+        c,
+        "reset",
+        "same seed, same tasks",
+        first,
+        _reset(env, c, batch_size, group_size, seed),
+        "a second reset on the same instance",
+    )
     _play([env, _build(subj, c)], c, batch_size, group_size, seed, respond)
     _check_metadata(_build(subj, c), c, batch_size, group_size, seed, respond, reward, reward_options)
     _check_one_row(env, c, seed, respond)
@@ -120,7 +130,14 @@ def _play(envs: list[Any], c: Contract, batch_size: int, group_size: int, seed: 
     the others against the first."""
     current: list[Observation | None] = list(_reset(envs[0], c, batch_size, group_size, seed))
     for other in envs[1:]:
-        _same(c, "reset", "same seed, same tasks", current, _reset(other, c, batch_size, group_size, seed), "a fresh instance's reset")
+        _same(
+            c,
+            "reset",
+            "same seed, same tasks",
+            current,
+            _reset(other, c, batch_size, group_size, seed),
+            "a fresh instance's reset",
+        )
     n = len(current)
     env = envs[0]
     for _ in range(env.max_turns):
@@ -163,12 +180,25 @@ def _check_step(env: Any, c: Contract, before: list[Observation | None], result:
             continue
         problem = rules.observation_fields_problem(obs, row)
         c.require(problem is None, "step", "observations", problem or "")
-        c.require(obs.turn == prev.turn + 1, "step", "turns count up", f"row {row} went from turn {prev.turn} to turn {obs.turn}")
+        c.require(
+            obs.turn == prev.turn + 1,
+            "step",
+            "turns count up",
+            f"row {row} went from turn {prev.turn} to turn {obs.turn}",
+        )
 
 
 # ---- metadata, batch sizes, state -------------------------------------------------------------------------
-def _check_metadata(env: Any, c: Contract, batch_size: int, group_size: int, seed: int, respond: Respond,
-                    reward: Any, reward_options: Mapping[str, Any] | None) -> None:
+def _check_metadata(
+    env: Any,
+    c: Contract,
+    batch_size: int,
+    group_size: int,
+    seed: int,
+    respond: Respond,
+    reward: Any,
+    reward_options: Mapping[str, Any] | None,
+) -> None:
     from palestra.checked_reward import CheckedReward
     from palestra.engine.rollout import reward_rows, run_episodes
 
@@ -179,7 +209,9 @@ def _check_metadata(env: Any, c: Contract, batch_size: int, group_size: int, see
         try:
             pickle.dumps(meta)
         except Exception as e:
-            raise c.fail("reset", "metadata is plain data", f"row {row}'s metadata does not pickle: {type(e).__name__}: {e}") from e
+            raise c.fail(
+                "reset", "metadata is plain data", f"row {row}'s metadata does not pickle: {type(e).__name__}: {e}"
+            ) from e
     if reward is None:
         return
     scorer = subject("reward", reward, reward_options)
@@ -213,8 +245,12 @@ def _check_state(env: Any, subj: Subject, c: Contract, batch_size: int, group_si
     has = [hasattr(env, m) for m in ("state_dict", "load_state_dict")]
     if not any(has):
         return
-    c.require(isinstance(env, Stateful), "state_dict", "state round-trip",
-              "has only one of state_dict and load_state_dict; the trainer saves state only when both exist")
+    c.require(
+        isinstance(env, Stateful),
+        "state_dict",
+        "state round-trip",
+        "has only one of state_dict and load_state_dict; the trainer saves state only when both exist",
+    )
     with c.calling("state_dict", "state round-trip"):
         state = copy.deepcopy(env.state_dict())
     fresh = _build(subj, c)
@@ -222,7 +258,20 @@ def _check_state(env: Any, subj: Subject, c: Contract, batch_size: int, group_si
         fresh.load_state_dict(state)
         reloaded = fresh.state_dict()
     found = first_difference(env.state_dict(), reloaded, "state")
-    c.require(found is None, "load_state_dict", "state round-trip", f"a fresh instance loaded from state_dict() reports another state: {found}")
-    found = first_difference(env.reset(batch_size, seed=seed, group_size=group_size),
-                             fresh.reset(batch_size, seed=seed, group_size=group_size), "observations")
-    c.require(found is None, "load_state_dict", "state round-trip", f"after loading the state, a seeded reset differs: {found}")
+    c.require(
+        found is None,
+        "load_state_dict",
+        "state round-trip",
+        f"a fresh instance loaded from state_dict() reports another state: {found}",
+    )
+    found = first_difference(
+        env.reset(batch_size, seed=seed, group_size=group_size),
+        fresh.reset(batch_size, seed=seed, group_size=group_size),
+        "observations",
+    )
+    c.require(
+        found is None,
+        "load_state_dict",
+        "state round-trip",
+        f"after loading the state, a seeded reset differs: {found}",
+    )

@@ -37,7 +37,9 @@ def reset_problem(out: Any, batch_size: int, group_size: int, agent_ids: Sequenc
     return ("observations" if counted else "one observation per row"), broken
 
 
-def step_problem(out: Any, actions: Sequence[str | None], live: Sequence[bool], agent_ids: Sequence[str]) -> tuple[str, str] | None:
+def step_problem(
+    out: Any, actions: Sequence[str | None], live: Sequence[bool], agent_ids: Sequence[str]
+) -> tuple[str, str] | None:
     """``(rule, what is wrong)`` when ``step``'s output breaks the trainer's rules, else None."""
     broken = check_step(out, actions, live, agents=agent_ids)
     if broken is None:

@@ -46,7 +46,10 @@ class Contract:
             raise KeyError(f"palestra.testing: {self.kind} rule {rule!r} is not declared")
         return ContractError(
             f"{self.kind} {self.label!r}.{method}: rule {rule!r}: {detail}",
-            kind=self.kind, label=self.label, method=method, rule=rule,
+            kind=self.kind,
+            label=self.label,
+            method=method,
+            rule=rule,
         )
 
     def require(self, condition: object, method: str, rule: str, detail: str) -> None:

@@ -67,7 +67,9 @@ def _check(subj: Subject, c: Contract, run: Path, config: dict[str, Any]) -> Non
     path = getattr(logger, "path", None)
     if isinstance(path, (str, os.PathLike)):
         inside = Path(path).resolve().is_relative_to(run.resolve())
-        c.require(inside, "open", "writes under the run directory", f"its path {str(path)!r} is outside the run directory")
+        c.require(
+            inside, "open", "writes under the run directory", f"its path {str(path)!r} is outside the run directory"
+        )
     with c.calling("log", "open, log, close"):
         logger.log({"reward/mean": 0.5, "loss": 1.25, "lr": 0.001}, 1)
         logger.log({"reward/mean": 0.75, "loss": 0.5, "lr": 0.001}, 2)

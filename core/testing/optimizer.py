@@ -27,14 +27,27 @@ __all__ = ["RULES", "check_optimizer"]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the algorithm from the options given",
-    "protocol": "it subclasses palestra.Algorithm; name is a str; needs_reference, needs_value_head, routes_agents and shared_update_window are bools; refill_rounds is an int >= 0; bind, advantages, loss, groups_short, extra_state and load_extra_state exist",
+    "protocol": (
+        "it subclasses palestra.Algorithm; name is a str; needs_reference, needs_value_head, routes_agents and"
+        " shared_update_window are bools; refill_rounds is an int >= 0; bind, advantages, loss, groups_short,"
+        " extra_state and load_extra_state exist"
+    ),
     "setup runs": "Learner(algorithm, policy, TrainContext, reference=...) binds a tiny policy without raising",
-    "prepare fills advantages": "the learner's prepare(batch) returns the batch with finite float advantages of shape [B] or [B, T], and it still validates",
+    "prepare fills advantages": (
+        "the learner's prepare(batch) returns the batch with finite float advantages of shape "
+        "[B] or [B, T], and it still validates"
+    ),
     "update runs": "the learner's update(batch) (the algorithm's loss on the policy's scores) returns without raising",
     "metrics are floats": "update returns a dict of str -> finite Python float (not tensors)",
     "parameters change": "an update changes the policy's parameters",
-    "NaN loss skips the step": "with a NaN loss update returns train/skipped = 1.0, leaves every parameter as it was, and the next update is finite",
-    "state round-trip": "state_dict() saves with torch.save, and a fresh optimiser on a fresh policy, loaded from it, continues bit for bit",
+    "NaN loss skips the step": (
+        "with a NaN loss update returns train/skipped = 1.0, leaves "
+        "every parameter as it was, and the next update is finite"
+    ),
+    "state round-trip": (
+        "state_dict() saves with torch.save, and a fresh optimiser "
+        "on a fresh policy, loaded from it, continues bit for bit"
+    ),
 }
 
 
@@ -67,8 +80,12 @@ def check_optimizer(
     model, learner = _setup(subj, maker, c, context)
     before = _weights(model)
     _update(learner, experience(model, rows=rows, group_size=config.group_size, seed=SEED), c)
-    c.require(first_difference(before, _weights(model)) is not None, "update", "parameters change",
-              "no parameter of the policy changed after an update with non-zero advantages")
+    c.require(
+        first_difference(before, _weights(model)) is not None,
+        "update",
+        "parameters change",
+        "no parameter of the policy changed after an update with non-zero advantages",
+    )
     _check_round_trip(learner, model, subj, maker, c, context, rows, config.group_size)
     _check_nan_loss(learner, model, c, rows, config.group_size)
 
@@ -90,15 +107,28 @@ def _setup(subj: Subject, maker: Subject, c: Contract, context: Any) -> tuple[An
 def _check_protocol(algo: Any, c: Contract) -> None:
     from palestra.engine.algorithm import Algorithm
 
-    c.require(isinstance(algo, Algorithm), "Algorithm", "protocol",
-              f"{type(algo).__name__} does not subclass palestra.Algorithm (the learner calls its hooks)")
-    c.require(isinstance(getattr(algo, "name", None), str), "name", "protocol", f"name is {getattr(algo, 'name', None)!r}; expected a str")
+    c.require(
+        isinstance(algo, Algorithm),
+        "Algorithm",
+        "protocol",
+        f"{type(algo).__name__} does not subclass palestra.Algorithm (the learner calls its hooks)",
+    )
+    c.require(
+        isinstance(getattr(algo, "name", None), str),
+        "name",
+        "protocol",
+        f"name is {getattr(algo, 'name', None)!r}; expected a str",
+    )
     for flag in ("needs_reference", "needs_value_head", "routes_agents", "shared_update_window"):
         value = getattr(algo, flag, None)
         c.require(isinstance(value, bool), flag, "protocol", f"{flag} is {value!r}; expected a bool")
     rounds = getattr(algo, "refill_rounds", None)
-    c.require(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0, "refill_rounds", "protocol",
-              f"refill_rounds is {rounds!r}; expected an int >= 0")
+    c.require(
+        isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0,
+        "refill_rounds",
+        "protocol",
+        f"refill_rounds is {rounds!r}; expected an int >= 0",
+    )
     for method in ("bind", "advantages", "loss", "groups_short", "extra_state", "load_extra_state"):
         c.require(callable(getattr(algo, method, None)), method, "protocol", f"has no {method}() method")
 
@@ -111,12 +141,21 @@ def _update(learner: Any, batch: Any, c: Contract, *, poison: bool = False) -> t
     rows = batch.batch_size
     with c.calling("prepare", "prepare fills advantages"):
         prepared = learner.prepare(batch)
-    c.require(prepared is not None and hasattr(prepared, "advantages"), "prepare", "prepare fills advantages",
-              f"returned {type(prepared).__name__}; expected the Experience")
+    c.require(
+        prepared is not None and hasattr(prepared, "advantages"),
+        "prepare",
+        "prepare fills advantages",
+        f"returned {type(prepared).__name__}; expected the Experience",
+    )
     adv = prepared.advantages
     t = prepared.completion_ids.shape[1]
     ok = isinstance(adv, torch.Tensor) and adv.is_floating_point() and tuple(adv.shape) in ((rows,), (rows, t))
-    c.require(ok, "prepare", "prepare fills advantages", f"advantages are {_describe(adv)}; expected floats of shape [{rows}] or [{rows}, {t}]")
+    c.require(
+        ok,
+        "prepare",
+        "prepare fills advantages",
+        f"advantages are {_describe(adv)}; expected floats of shape [{rows}] or [{rows}, {t}]",
+    )
     c.require(bool(torch.isfinite(adv).all()), "prepare", "prepare fills advantages", "some advantages are not finite")
     with c.calling("prepare", "prepare fills advantages"):
         prepared.validate()
@@ -126,15 +165,23 @@ def _update(learner: Any, batch: Any, c: Contract, *, poison: bool = False) -> t
     quiet = _logging_off() if poison else contextlib.nullcontext()
     with quiet, c.calling("update", "update runs"):
         metrics = learner.update(prepared)
-    c.require(isinstance(metrics, dict), "update", "metrics are floats", f"returned {_describe(metrics)}; expected a dict of str -> float")
+    c.require(
+        isinstance(metrics, dict),
+        "update",
+        "metrics are floats",
+        f"returned {_describe(metrics)}; expected a dict of str -> float",
+    )
     for key, value in metrics.items():
         good = isinstance(key, str) and isinstance(value, float) and (poison or math.isfinite(value))
-        c.require(good, "update", "metrics are floats", f"metric {key!r} is {_describe(value)}; expected a finite float")
+        c.require(
+            good, "update", "metrics are floats", f"metric {key!r} is {_describe(value)}; expected a finite float"
+        )
     return prepared.advantages.detach().clone(), metrics
 
 
-def _check_round_trip(learner: Any, model: Any, subj: Subject, maker: Subject, c: Contract, context: Any,
-                      rows: int, group_size: int) -> None:
+def _check_round_trip(
+    learner: Any, model: Any, subj: Subject, maker: Subject, c: Contract, context: Any, rows: int, group_size: int
+) -> None:
     import torch
 
     with c.calling("state_dict", "state round-trip"):
@@ -142,7 +189,9 @@ def _check_round_trip(learner: Any, model: Any, subj: Subject, maker: Subject, c
     try:
         torch.save(state, io.BytesIO())
     except Exception as e:
-        raise c.fail("state_dict", "state round-trip", f"torch.save cannot write the state: {type(e).__name__}: {e}") from e
+        raise c.fail(
+            "state_dict", "state round-trip", f"torch.save cannot write the state: {type(e).__name__}: {e}"
+        ) from e
     # As the trainer resumes: a fresh policy, algorithm and learner, then the saved weights and state loaded.
     fresh_model, fresh = _setup(subj, maker, c, context)
     fresh_model.load_state_dict(copy.deepcopy(model.state_dict()))
@@ -153,11 +202,18 @@ def _check_round_trip(learner: Any, model: Any, subj: Subject, maker: Subject, c
     adv_a, metrics_a = _update(learner, copy.deepcopy(batch), c)
     torch.manual_seed(SEED)
     adv_b, metrics_b = _update(fresh, copy.deepcopy(batch), c)
-    for what, a, b in (("advantages", adv_a, adv_b), ("metrics", _untimed(metrics_a), _untimed(metrics_b)),
-                       ("parameters", _weights(model), _weights(fresh_model))):
+    for what, a, b in (
+        ("advantages", adv_a, adv_b),
+        ("metrics", _untimed(metrics_a), _untimed(metrics_b)),
+        ("parameters", _weights(model), _weights(fresh_model)),
+    ):
         found = first_difference(a, b, what)
-        c.require(found is None, "load_state_dict", "state round-trip",
-                  f"a fresh learner loaded from state_dict() continues differently: {found}")
+        c.require(
+            found is None,
+            "load_state_dict",
+            "state round-trip",
+            f"a fresh learner loaded from state_dict() continues differently: {found}",
+        )
 
 
 def _check_nan_loss(learner: Any, model: Any, c: Contract, rows: int, group_size: int) -> None:
@@ -165,8 +221,12 @@ def _check_nan_loss(learner: Any, model: Any, c: Contract, rows: int, group_size
 
     before = _weights(model)
     _, metrics = _update(learner, experience(model, rows=rows, group_size=group_size, seed=SEED + 2), c, poison=True)
-    c.require(metrics.get("train/skipped") == 1.0, "update", "NaN loss skips the step",
-              f"a NaN loss returned train/skipped={metrics.get('train/skipped')!r}; expected 1.0")
+    c.require(
+        metrics.get("train/skipped") == 1.0,
+        "update",
+        "NaN loss skips the step",
+        f"a NaN loss returned train/skipped={metrics.get('train/skipped')!r}; expected 1.0",
+    )
     found = first_difference(before, _weights(model), "parameters")
     c.require(found is None, "update", "NaN loss skips the step", f"a skipped step changed the policy: {found}")
     _update(learner, experience(model, rows=rows, group_size=group_size, seed=SEED + 3), c)

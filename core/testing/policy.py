@@ -21,22 +21,35 @@ __all__ = ["RULES", "check_policy"]
 
 RULES: dict[str, str] = {
     "builds from its options": "the factory builds the policy from the options given",
-    "tokenizer": "tokenizer has int pad_token_id and eos_token_id, len(), encode(str) -> list of ints, decode(ids) -> str",
+    "tokenizer": (
+        "tokenizer has int pad_token_id and eos_token_id, len(), encode(str) -> list of ints, decode(ids) -> str"
+    ),
     "trainable parameters": "parameters() yields at least one tensor that requires grad",
-    "encodes one row per observation": "encode_observations returns (ids [B, P] int64, mask [B, P] bool), one row per observation",
+    "encodes one row per observation": (
+        "encode_observations returns (ids [B, P] int64, mask [B, P] bool), one row per observation"
+    ),
     "left padding": "every row's real tokens end at the last column; padding comes first",
     "encoding is deterministic": "encoding the same observations twice gives equal tensors",
     "score runs": "score(prompt_ids, prompt_mask, completion_ids, completion_mask) returns without raising",
-    "scores are [B, T] float32": "score(...).logprobs, and .entropy when asked for, are float32 tensors of shape [B, T]",
+    "scores are [B, T] float32": (
+        "score(...).logprobs, and .entropy when asked for, are float32 tensors of shape [B, T]"
+    ),
     "masked tokens score 0": "log-probs and entropy are 0 where completion_mask is False",
     "log-probs are finite and <= 0": "every real token's log-prob is finite and at most 0",
-    "padding does not change a row's scores": "a row scored alone matches the same row scored beside a longer one (within 1e-4)",
+    "padding does not change a row's scores": (
+        "a row scored alone matches the same row scored beside a longer one (within 1e-4)"
+    ),
     "scoring is deterministic": "in eval mode, scoring twice gives the same numbers bit for bit",
-    "score takes agent_ids": "score(..., agent_ids=[one id per row]) runs; every row naming the same agent scores bit for bit as without",
+    "score takes agent_ids": (
+        "score(..., agent_ids=[one id per row]) runs; every row naming the same agent scores bit for bit as without"
+    ),
     "scores are differentiable": "backward from the log-probs reaches the parameters",
     "one-row batch": "one observation encodes and scores",
     "state round-trip": "a fresh instance loaded from state_dict() scores bit for bit the same",
-    "generates": "the generator (default kv_cache) samples one completion per observation with consistent shapes (decode_step takes agent_ids, as score does); greedy sampling repeats",
+    "generates": (
+        "the generator (default kv_cache) samples one completion per observation with consistent shapes "
+        "(decode_step takes agent_ids, as score does); greedy sampling repeats"
+    ),
 }
 
 
@@ -59,7 +72,12 @@ def check_policy(
     obs = observations(4, prompts) if prompts else observations(4)
     model = _build(subj, c)
     _check_tokenizer(model, c)
-    c.require(any(p.requires_grad for p in model.parameters()), "parameters", "trainable parameters", "no parameter requires grad")
+    c.require(
+        any(p.requires_grad for p in model.parameters()),
+        "parameters",
+        "trainable parameters",
+        "no parameter requires grad",
+    )
     model.eval()
     ids, mask = _encode(model, c, obs)
     found = first_difference((ids, mask), _encode(model, c, obs), "encoding")
@@ -82,17 +100,26 @@ def _build(subj: Subject, c: Contract) -> Any:
 
 
 def _check_tokenizer(model: Any, c: Contract) -> None:
-    tok = getattr(model, "tokenizer", None)
+    tok: Any = getattr(model, "tokenizer", None)  # a plugin's object; c.require below fails the check on None
     c.require(tok is not None, "tokenizer", "tokenizer", "the policy has no tokenizer attribute")
     for attr in ("pad_token_id", "eos_token_id"):
         value = getattr(tok, attr, None)
-        c.require(isinstance(value, int) and not isinstance(value, bool), "tokenizer", "tokenizer", f"{attr} is {value!r}; expected an int")
+        c.require(
+            isinstance(value, int) and not isinstance(value, bool),
+            "tokenizer",
+            "tokenizer",
+            f"{attr} is {value!r}; expected an int",
+        )
     with c.calling("tokenizer", "tokenizer"):
         ids = tok.encode("1 + 2 =")
         size = len(tok)
         text = tok.decode(ids)
-    c.require(isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < size for i in ids), "tokenizer", "tokenizer",
-              f"encode returned {ids!r}; expected a list of ints below len(tokenizer)={size}")
+    c.require(
+        isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < size for i in ids),
+        "tokenizer",
+        "tokenizer",
+        f"encode returned {ids!r}; expected a list of ints below len(tokenizer)={size}",
+    )
     c.require(isinstance(text, str), "tokenizer", "tokenizer", f"decode returned {type(text).__name__}; expected str")
 
 
@@ -103,34 +130,59 @@ def _encode(model: Any, c: Contract, obs: list[Observation]) -> tuple[Any, Any]:
     with c.calling("encode_observations", rule):
         out = model.encode_observations(obs)
     ok = isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-    c.require(ok, "encode_observations", rule, f"returned {type(out).__name__}; expected (prompt_ids, prompt_mask) tensors")
+    c.require(
+        ok, "encode_observations", rule, f"returned {type(out).__name__}; expected (prompt_ids, prompt_mask) tensors"
+    )
     ids, mask = out
     b = len(obs)
-    c.require(ids.dim() == 2 and ids.shape[0] == b and ids.dtype == torch.int64, "encode_observations", rule,
-              f"prompt_ids is a {ids.dtype} tensor of shape {list(ids.shape)}; expected int64 [{b}, P]")
-    c.require(mask.shape == ids.shape and mask.dtype == torch.bool, "encode_observations", rule,
-              f"prompt_mask is a {mask.dtype} tensor of shape {list(mask.shape)}; expected bool {list(ids.shape)}")
+    c.require(
+        ids.dim() == 2 and ids.shape[0] == b and ids.dtype == torch.int64,
+        "encode_observations",
+        rule,
+        f"prompt_ids is a {ids.dtype} tensor of shape {list(ids.shape)}; expected int64 [{b}, P]",
+    )
+    c.require(
+        mask.shape == ids.shape and mask.dtype == torch.bool,
+        "encode_observations",
+        rule,
+        f"prompt_mask is a {mask.dtype} tensor of shape {list(mask.shape)}; expected bool {list(ids.shape)}",
+    )
     lengths = mask.sum(-1)
     left = bool(mask[:, -1].all()) and bool((mask.long().cumsum(-1) > 0).eq(mask).all()) and bool((lengths > 0).all())
-    c.require(left, "encode_observations", "left padding", "some row's tokens do not end at the last column, or padding sits between tokens")
+    c.require(
+        left,
+        "encode_observations",
+        "left padding",
+        "some row's tokens do not end at the last column, or padding sits between tokens",
+    )
     return ids, mask
 
 
-def _score(model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any, *, rule: str = "score runs") -> Any:
+def _score(
+    model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any, *, rule: str = "score runs"
+) -> Any:
     import torch
 
     with torch.no_grad(), c.calling("score", rule):
         out = model.score(ids, mask, comp_ids, comp_mask, entropy=True)
     shape = tuple(comp_ids.shape)
     for field in ("logprobs", "entropy"):
-        value = getattr(out, field, None)
+        value: Any = getattr(out, field, None)  # c.require below fails the check unless it is a float32 tensor
         ok = isinstance(value, torch.Tensor) and value.dtype == torch.float32 and tuple(value.shape) == shape
-        c.require(ok, "score", "scores are [B, T] float32", f"{field} is {_describe(value)}; expected float32 {list(shape)}")
+        c.require(
+            ok, "score", "scores are [B, T] float32", f"{field} is {_describe(value)}; expected float32 {list(shape)}"
+        )
         masked = value[~comp_mask]
-        c.require(bool((masked == 0).all()), "score", "masked tokens score 0", f"{field} is not 0 on padded completion tokens")
+        c.require(
+            bool((masked == 0).all()), "score", "masked tokens score 0", f"{field} is not 0 on padded completion tokens"
+        )
     real = out.logprobs[comp_mask]
-    c.require(bool(torch.isfinite(real).all()) and bool((real <= 0).all()), "score", "log-probs are finite and <= 0",
-              f"log-probs range from {real.min().item()} to {real.max().item()}")
+    c.require(
+        bool(torch.isfinite(real).all()) and bool((real <= 0).all()),
+        "score",
+        "log-probs are finite and <= 0",
+        f"log-probs range from {real.min().item()} to {real.max().item()}",
+    )
     return out.logprobs
 
 
@@ -155,8 +207,12 @@ def _check_padding(model: Any, c: Contract, obs: list[Observation], comp_ids: An
     alone = _score(model, c, alone_ids, alone_mask, row_ids, row_mask, rule="one-row batch")
     pair = _score(model, c, pair_ids, pair_mask, row_ids.repeat(2, 1), row_mask.repeat(2, 1))
     gap = (alone[0] - pair[0]).abs().max().item()
-    c.require(gap <= 1e-4, "score", "padding does not change a row's scores",
-              f"a row's log-probs moved by {gap:.3g} when a longer prompt joined its batch")
+    c.require(
+        gap <= 1e-4,
+        "score",
+        "padding does not change a row's scores",
+        f"a row's log-probs moved by {gap:.3g} when a longer prompt joined its batch",
+    )
 
 
 def _check_gradient(model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any) -> None:
@@ -165,14 +221,20 @@ def _check_gradient(model: Any, c: Contract, ids: Any, mask: Any, comp_ids: Any,
         with c.calling("score", "scores are differentiable"):
             out = model.score(ids, mask, comp_ids, comp_mask, entropy=False)
             out.logprobs.sum().backward()
-        reached = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters() if p.requires_grad)
-        c.require(reached, "score", "scores are differentiable", "no parameter got a non-zero gradient from the log-probs")
+        reached = any(
+            p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters() if p.requires_grad
+        )
+        c.require(
+            reached, "score", "scores are differentiable", "no parameter got a non-zero gradient from the log-probs"
+        )
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()
 
 
-def _check_state(model: Any, subj: Subject, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any, scores: Any) -> None:
+def _check_state(
+    model: Any, subj: Subject, c: Contract, ids: Any, mask: Any, comp_ids: Any, comp_mask: Any, scores: Any
+) -> None:
     with c.calling("state_dict", "state round-trip"):
         state = copy.deepcopy(model.state_dict())
     fresh = _build(subj, c)
@@ -180,10 +242,17 @@ def _check_state(model: Any, subj: Subject, c: Contract, ids: Any, mask: Any, co
         fresh.load_state_dict(state)
     fresh.eval()
     found = first_difference(scores, _score(fresh, c, ids, mask, comp_ids, comp_mask), "logprobs")
-    c.require(found is None, "load_state_dict", "state round-trip", f"a fresh instance loaded from state_dict() scores differently: {found}")
+    c.require(
+        found is None,
+        "load_state_dict",
+        "state round-trip",
+        f"a fresh instance loaded from state_dict() scores differently: {found}",
+    )
 
 
-def _check_generation(model: Any, c: Contract, obs: list[Observation], ids: Any, generator: str | Callable[..., Any]) -> None:
+def _check_generation(
+    model: Any, c: Contract, obs: list[Observation], ids: Any, generator: str | Callable[..., Any]
+) -> None:
     import torch
 
     from palestra.types import SamplingParams
@@ -198,12 +267,21 @@ def _check_generation(model: Any, c: Contract, obs: list[Observation], ids: Any,
     b = len(obs)
     t = out.completion_ids.shape[-1] if isinstance(out.completion_ids, torch.Tensor) else -1
     ok = (
-        len(out.texts) == b and all(isinstance(x, str) for x in out.texts)
-        and tuple(out.completion_ids.shape) == (b, t) and 0 < t <= params.max_new_tokens
-        and tuple(out.completion_mask.shape) == (b, t) and tuple(out.logprobs.shape) == (b, t)
+        len(out.texts) == b
+        and all(isinstance(x, str) for x in out.texts)
+        and tuple(out.completion_ids.shape) == (b, t)
+        and 0 < t <= params.max_new_tokens
+        and tuple(out.completion_mask.shape) == (b, t)
+        and tuple(out.logprobs.shape) == (b, t)
         and torch.equal(out.prompt_ids, ids)
     )
-    c.require(ok, "generate", "generates", f"a Generation for {b} observations has {len(out.texts)} texts and completion ids of shape {list(out.completion_ids.shape)}")
+    c.require(
+        ok,
+        "generate",
+        "generates",
+        f"a Generation for {b} observations has {len(out.texts)} texts and completion ids of shape "
+        f"{list(out.completion_ids.shape)}",
+    )
     found = first_difference(out, runs[1], "generation")
     c.require(found is None, "generate", "generates", f"greedy sampling twice differs: {found}")
 

@@ -28,7 +28,9 @@ class ContractChecker:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
 
-    def __call__(self, kind: str, component: str | Callable[..., Any], options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __call__(
+        self, kind: str, component: str | Callable[..., Any], options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         from palestra.testing import ContractError, check
 
         if kind == "logger":

@@ -54,9 +54,15 @@ RULES: dict[str, str] = {
 }
 
 
-def reward_rows(environment: str | Callable[..., Any] = "arithmetic", options: Mapping[str, Any] | None = None, *,
-                batch_size: int = 2, group_size: int = 2, seed: int = SEED,
-                completions: Sequence[str] | None = None) -> Rows:
+def reward_rows(
+    environment: str | Callable[..., Any] = "arithmetic",
+    options: Mapping[str, Any] | None = None,
+    *,
+    batch_size: int = 2,
+    group_size: int = 2,
+    seed: int = SEED,
+    completions: Sequence[str] | None = None,
+) -> Rows:
     """``(prompts, completions, metadata)`` as the trainer would hand a reward: an environment's episodes, played with
     ``completions`` (default: a cycle of plausible ones, the empty string included)."""
     from palestra.engine.rollout import reward_rows as rows_of
@@ -64,7 +70,9 @@ def reward_rows(environment: str | Callable[..., Any] = "arithmetic", options: M
 
     env = subject("environment", environment, options).make()
     pool = tuple(completions) if completions else COMPLETIONS
-    episodes = run_episodes(env, lambda obs: cycle_completions(len(obs), pool), batch_size, seed=seed, group_size=group_size)
+    episodes = run_episodes(
+        env, lambda obs: cycle_completions(len(obs), pool), batch_size, seed=seed, group_size=group_size
+    )
     return rows_of(episodes)
 
 
@@ -91,11 +99,15 @@ def check_reward(
     _check_max_score(first, c, out)
     second = _score(_build(subj, c), c, prompts, completions, metadata, "__call__")
     found = first_difference(out, second, "output")
-    c.require(found is None, "__call__", "same rows, same scores", f"a second fresh instance scored differently: {found}")
+    c.require(
+        found is None, "__call__", "same rows, same scores", f"a second fresh instance scored differently: {found}"
+    )
     with c.calling("__deepcopy__", "can be copied"):
         spare = copy.deepcopy(first)
     one = _score(spare, c, prompts[:1], completions[:1], metadata[:1], "__call__", rule_for_size="one-row batch")
-    c.require(one.scores.shape == (1,), "__call__", "one-row batch", f"one row got scores of shape {list(one.scores.shape)}")
+    c.require(
+        one.scores.shape == (1,), "__call__", "one-row batch", f"one row got scores of shape {list(one.scores.shape)}"
+    )
     _check_empty(first, c)
     _check_evaluate(first, c, prompts, completions, metadata)
     _check_state(first, subj, c, prompts, completions, metadata)
@@ -106,8 +118,16 @@ def _build(subj: Subject, c: Contract) -> Any:
         return subj.make()
 
 
-def _score(reward: Any, c: Contract, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]],
-           method: str, *, rule_for_size: str = "one score per row") -> RewardOutput:
+def _score(
+    reward: Any,
+    c: Contract,
+    prompts: list[str],
+    completions: list[str],
+    metadata: list[dict[str, Any]],
+    method: str,
+    *,
+    rule_for_size: str = "one score per row",
+) -> RewardOutput:
     """Call the reward (or its ``evaluate``) and check what it returns; the output as a RewardOutput."""
     before = copy.deepcopy(metadata)
     call = reward.evaluate if method == "evaluate" else reward
@@ -116,13 +136,22 @@ def _score(reward: Any, c: Contract, prompts: list[str], completions: list[str],
     found = first_difference(before, metadata, "metadata")
     c.require(found is None, method, "metadata is read-only", f"the call changed its input: {found}")
     if method == "evaluate":
-        c.require(isinstance(out, RewardOutput), method, "evaluate leaves state alone", f"returned {type(out).__name__}; expected a RewardOutput")
+        c.require(
+            isinstance(out, RewardOutput),
+            method,
+            "evaluate leaves state alone",
+            f"returned {type(out).__name__}; expected a RewardOutput",
+        )
     output = out if isinstance(out, RewardOutput) else RewardOutput(out)
     b = len(completions)
     _check_scores(c, method, output.scores, b, "scores", rule_for_size)
     for key, value in output.components.items():
-        c.require(_is_float_tensor(value) and tuple(value.shape) == (b,), method, "components are [B] float tensors",
-                  f"component {key!r} is {_describe(value)}; expected a float tensor of shape [{b}]")
+        c.require(
+            _is_float_tensor(value) and tuple(value.shape) == (b,),
+            method,
+            "components are [B] float tensors",
+            f"component {key!r} is {_describe(value)}; expected a float tensor of shape [{b}]",
+        )
     for key, metric in output.metrics.items():
         ok = isinstance(metric, numbers.Real) and not isinstance(metric, bool) and math.isfinite(metric)
         c.require(ok, method, "metrics are finite numbers", f"metric {key!r} is {_describe(metric)}")
@@ -132,10 +161,19 @@ def _score(reward: Any, c: Contract, prompts: list[str], completions: list[str],
 def _check_scores(c: Contract, method: str, scores: Any, b: int, what: str, rule_for_size: str) -> None:
     import torch
 
-    c.require(_is_float_tensor(scores), method, "scores are a float tensor",
-              f"returned {_describe(scores)}; expected a float tensor of shape [{b}] "
-              "(e.g. torch.tensor(values, dtype=torch.float32))")
-    c.require(tuple(scores.shape) == (b,), method, rule_for_size, f"{what} has shape {list(scores.shape)} for {b} rows; expected [{b}]")
+    c.require(
+        _is_float_tensor(scores),
+        method,
+        "scores are a float tensor",
+        f"returned {_describe(scores)}; expected a float tensor of shape [{b}] "
+        "(e.g. torch.tensor(values, dtype=torch.float32))",
+    )
+    c.require(
+        tuple(scores.shape) == (b,),
+        method,
+        rule_for_size,
+        f"{what} has shape {list(scores.shape)} for {b} rows; expected [{b}]",
+    )
     bad = (~torch.isfinite(scores.detach())).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
@@ -155,12 +193,17 @@ def _check_empty(reward: Any, c: Contract) -> None:
     with c.calling("__call__", "empty batch"):
         out = copy.deepcopy(reward)([], [], [])
     scores = out.scores if isinstance(out, RewardOutput) else out
-    c.require(_is_float_tensor(scores) and tuple(scores.shape) == (0,), "__call__", "empty batch",
-              f"no rows got {_describe(scores)}; expected a float tensor of shape [0]")
+    c.require(
+        _is_float_tensor(scores) and tuple(scores.shape) == (0,),
+        "__call__",
+        "empty batch",
+        f"no rows got {_describe(scores)}; expected a float tensor of shape [0]",
+    )
 
 
-def _check_evaluate(reward: Any, c: Contract, prompts: list[str], completions: list[str],
-                    metadata: list[dict[str, Any]]) -> None:
+def _check_evaluate(
+    reward: Any, c: Contract, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
+) -> None:
     if not isinstance(reward, HeldOutScoring):
         return
     before = _state(reward, c)
@@ -176,29 +219,46 @@ def _state(reward: Any, c: Contract) -> Any:
         return copy.deepcopy(reward.state_dict())
 
 
-def _check_state(reward: Any, subj: Subject, c: Contract, prompts: list[str], completions: list[str],
-                 metadata: list[dict[str, Any]]) -> None:
+def _check_state(
+    reward: Any, subj: Subject, c: Contract, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
+) -> None:
     import torch
 
     has = [hasattr(reward, m) for m in ("state_dict", "load_state_dict")]
     if not any(has):
         return
-    c.require(all(has), "state_dict", "state round-trip",
-              "has only one of state_dict and load_state_dict; the trainer saves state only when both exist")
+    c.require(
+        all(has),
+        "state_dict",
+        "state round-trip",
+        "has only one of state_dict and load_state_dict; the trainer saves state only when both exist",
+    )
     state = _state(reward, c)  # the first instance has scored rows already: its state has moved
     try:
         torch.save(state, io.BytesIO())
     except Exception as e:
-        raise c.fail("state_dict", "state round-trip", f"torch.save cannot write the state: {type(e).__name__}: {e}") from e
+        raise c.fail(
+            "state_dict", "state round-trip", f"torch.save cannot write the state: {type(e).__name__}: {e}"
+        ) from e
     fresh = _build(subj, c)
     with c.calling("load_state_dict", "state round-trip"):
         fresh.load_state_dict(copy.deepcopy(state))
     found = first_difference(state, _state(fresh, c), "state")
-    c.require(found is None, "load_state_dict", "state round-trip", f"a fresh instance loaded from state_dict() reports another state: {found}")
+    c.require(
+        found is None,
+        "load_state_dict",
+        "state round-trip",
+        f"a fresh instance loaded from state_dict() reports another state: {found}",
+    )
     a = _score(reward, c, prompts, completions, metadata, "__call__")
     b = _score(fresh, c, prompts, completions, metadata, "__call__")
     found = first_difference(a, b, "output")
-    c.require(found is None, "load_state_dict", "state round-trip", f"a fresh instance loaded from state_dict() then scores differently: {found}")
+    c.require(
+        found is None,
+        "load_state_dict",
+        "state round-trip",
+        f"a fresh instance loaded from state_dict() then scores differently: {found}",
+    )
 
 
 def _is_float_tensor(value: Any) -> bool:

@@ -87,7 +87,9 @@ def experience(policy: Any, *, rows: int, group_size: int, seed: int = SEED) -> 
     device = prompt_ids.device
     with torch.no_grad():
         behaviour = policy.score(prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False).logprobs
-    rewards = torch.tensor([rng.choice([0.0, 0.25, 0.5, 1.0]) + (i % group_size) for i in range(rows)], dtype=torch.float32)
+    rewards = torch.tensor(
+        [rng.choice([0.0, 0.25, 0.5, 1.0]) + (i % group_size) for i in range(rows)], dtype=torch.float32
+    )
     return Experience(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,

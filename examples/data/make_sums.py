@@ -19,9 +19,7 @@ from pathlib import Path
 
 def rows() -> list[dict[str, object]]:
     return [
-        {"question": f"{a} + {b}", "answer": a + b, "carries": int(a + b >= 10)}
-        for a in range(10)
-        for b in range(10)
+        {"question": f"{a} + {b}", "answer": a + b, "carries": int(a + b >= 10)} for a in range(10) for b in range(10)
     ]
 
 
@@ -30,14 +28,13 @@ SHOTS = ((3, 5), (6, 1))  # the answered sums every chat starts with
 
 def chat_rows() -> list[dict[str, object]]:
     def turns(a: int, b: int) -> list[dict[str, str]]:
-        return [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"<answer>{a + b}</answer>"}]
+        return [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+        ]
 
     shown = [turn for a, b in SHOTS for turn in turns(a, b)]
-    return [
-        {"messages": [*shown, turns(a, b)[0]], "answer": a + b}
-        for a in range(10)
-        for b in range(10)
-    ]
+    return [{"messages": [*shown, turns(a, b)[0]], "answer": a + b} for a in range(10) for b in range(10)]
 
 
 def main() -> None:

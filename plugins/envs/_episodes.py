@@ -43,7 +43,9 @@ def check_actions(env: str, actions: Sequence[str | None], live: Sequence[bool])
         raise ValueError(f"{env}.step: got {len(actions)} actions for a batch of {len(live)} rows")
     for i, (action, running) in enumerate(zip(actions, live)):
         if running and not isinstance(action, str):
-            raise ValueError(f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}")
+            raise ValueError(
+                f"{env}.step: actions[{i}] must be a string (row {i} is still running), got {type(action).__name__}"
+            )
 
 
 def single_turn_step(

@@ -33,54 +33,134 @@ ITEMS: tuple[str, ...] = ("order", "parcel", "package")
 
 TOPICS: dict[str, tuple[Topic, ...]] = {
     "billing": (
-        Topic("refund time", "refunds take {v} days", ("3", "5", "7"),
-              ("when do i get my refund ?", "how long does a refund take ?", "where is my money back ?")),
-        Topic("late fee", "the late fee is {v} dollars", ("2", "4", "6"),
-              ("is there a fee if i pay late ?", "what if my payment is late ?", "do you charge for late bills ?")),
-        Topic("payment options", "we accept {v}", ("cards", "paypal", "cash"),
-              ("how can i pay my bill ?", "which payment options do you take ?", "what ways can i pay ?")),
-        Topic("invoice copy", "invoices are in the {v} tab", ("orders", "profile", "history"),
-              ("where can i find my invoice ?", "can i get a copy of my bill ?", "i need a receipt")),
+        Topic(
+            "refund time",
+            "refunds take {v} days",
+            ("3", "5", "7"),
+            ("when do i get my refund ?", "how long does a refund take ?", "where is my money back ?"),
+        ),
+        Topic(
+            "late fee",
+            "the late fee is {v} dollars",
+            ("2", "4", "6"),
+            ("is there a fee if i pay late ?", "what if my payment is late ?", "do you charge for late bills ?"),
+        ),
+        Topic(
+            "payment options",
+            "we accept {v}",
+            ("cards", "paypal", "cash"),
+            ("how can i pay my bill ?", "which payment options do you take ?", "what ways can i pay ?"),
+        ),
+        Topic(
+            "invoice copy",
+            "invoices are in the {v} tab",
+            ("orders", "profile", "history"),
+            ("where can i find my invoice ?", "can i get a copy of my bill ?", "i need a receipt"),
+        ),
     ),
     "shipping": (
-        Topic("delivery time", "delivery takes {v} days", ("2", "4", "6"),
-              ("how long does delivery take ?", "when will my {item} arrive ?", "how fast do you ship ?")),
-        Topic("shipping cost", "shipping costs {v} dollars", ("3", "5", "8"),
-              ("how much is shipping ?", "do i pay for delivery ?", "what does it cost to send ?")),
-        Topic("order tracking", "track orders in the {v}", ("app", "email", "website"),
-              ("how do i track my {item} ?", "where is my {item} now ?", "can i see where my {item} is ?")),
-        Topic("international shipping", "we ship to {v} countries", ("8", "9", "6"),
-              ("do you ship abroad ?", "can you send to another country ?", "do you deliver overseas ?")),
+        Topic(
+            "delivery time",
+            "delivery takes {v} days",
+            ("2", "4", "6"),
+            ("how long does delivery take ?", "when will my {item} arrive ?", "how fast do you ship ?"),
+        ),
+        Topic(
+            "shipping cost",
+            "shipping costs {v} dollars",
+            ("3", "5", "8"),
+            ("how much is shipping ?", "do i pay for delivery ?", "what does it cost to send ?"),
+        ),
+        Topic(
+            "order tracking",
+            "track orders in the {v}",
+            ("app", "email", "website"),
+            ("how do i track my {item} ?", "where is my {item} now ?", "can i see where my {item} is ?"),
+        ),
+        Topic(
+            "international shipping",
+            "we ship to {v} countries",
+            ("8", "9", "6"),
+            ("do you ship abroad ?", "can you send to another country ?", "do you deliver overseas ?"),
+        ),
     ),
     "returns": (
-        Topic("return window", "returns are open for {v} days", ("9", "4", "8"),
-              ("can i still return my {item} ?", "how long do i have to return it ?", "is it too late to send it back ?")),
-        Topic("return label", "labels are sent by {v}", ("email", "text", "post"),
-              ("how do i get a return label ?", "where is my return label ?", "i need a label to send it back")),
-        Topic("exchanges", "exchanges are free for {v} weeks", ("2", "3", "4"),
-              ("can i exchange my {item} ?", "can i swap for another size ?", "i want a different size")),
-        Topic("damaged item", "send a photo by {v}", ("email", "chat", "app"),
-              ("my {item} arrived broken", "the {item} is damaged", "what if it came broken ?")),
+        Topic(
+            "return window",
+            "returns are open for {v} days",
+            ("9", "4", "8"),
+            ("can i still return my {item} ?", "how long do i have to return it ?", "is it too late to send it back ?"),
+        ),
+        Topic(
+            "return label",
+            "labels are sent by {v}",
+            ("email", "text", "post"),
+            ("how do i get a return label ?", "where is my return label ?", "i need a label to send it back"),
+        ),
+        Topic(
+            "exchanges",
+            "exchanges are free for {v} weeks",
+            ("2", "3", "4"),
+            ("can i exchange my {item} ?", "can i swap for another size ?", "i want a different size"),
+        ),
+        Topic(
+            "damaged item",
+            "send a photo by {v}",
+            ("email", "chat", "app"),
+            ("my {item} arrived broken", "the {item} is damaged", "what if it came broken ?"),
+        ),
     ),
     "account": (
-        Topic("password reset", "reset links last {v} hours", ("2", "6", "8"),
-              ("how do i reset my password ?", "i forgot my password", "i cannot log in")),
-        Topic("change email", "change your email in {v}", ("settings", "profile"),
-              ("how do i change my email ?", "can i update my email ?", "i have a new address")),
-        Topic("close account", "closing an account takes {v} days", ("3", "5", "7"),
-              ("how do i close my account ?", "can you delete my account ?", "i want to leave for good")),
-        Topic("username", "usernames can change every {v} months", ("3", "6", "9"),
-              ("can i change my username ?", "how do i get a new username ?", "i want a different name")),
+        Topic(
+            "password reset",
+            "reset links last {v} hours",
+            ("2", "6", "8"),
+            ("how do i reset my password ?", "i forgot my password", "i cannot log in"),
+        ),
+        Topic(
+            "change email",
+            "change your email in {v}",
+            ("settings", "profile"),
+            ("how do i change my email ?", "can i update my email ?", "i have a new address"),
+        ),
+        Topic(
+            "close account",
+            "closing an account takes {v} days",
+            ("3", "5", "7"),
+            ("how do i close my account ?", "can you delete my account ?", "i want to leave for good"),
+        ),
+        Topic(
+            "username",
+            "usernames can change every {v} months",
+            ("3", "6", "9"),
+            ("can i change my username ?", "how do i get a new username ?", "i want a different name"),
+        ),
     ),
     "technical": (
-        Topic("app crash", "update the app to version {v}", ("4", "5", "6"),
-              ("the app keeps crashing", "why does the app close ?", "the app will not open")),
-        Topic("site error", "the site is back in {v} hours", ("2", "3", "4"),
-              ("the website is not loading", "i see an error page", "is the site down ?")),
-        Topic("notifications", "turn on alerts in {v}", ("settings", "profile"),
-              ("how do i turn on notifications ?", "i get no alerts", "why is my phone silent ?")),
-        Topic("slow app", "clear the cache every {v} weeks", ("2", "3", "4"),
-              ("the app is slow", "why is everything so slow ?", "pages take ages to load")),
+        Topic(
+            "app crash",
+            "update the app to version {v}",
+            ("4", "5", "6"),
+            ("the app keeps crashing", "why does the app close ?", "the app will not open"),
+        ),
+        Topic(
+            "site error",
+            "the site is back in {v} hours",
+            ("2", "3", "4"),
+            ("the website is not loading", "i see an error page", "is the site down ?"),
+        ),
+        Topic(
+            "notifications",
+            "turn on alerts in {v}",
+            ("settings", "profile"),
+            ("how do i turn on notifications ?", "i get no alerts", "why is my phone silent ?"),
+        ),
+        Topic(
+            "slow app",
+            "clear the cache every {v} weeks",
+            ("2", "3", "4"),
+            ("the app is slow", "why is everything so slow ?", "pages take ages to load"),
+        ),
     ),
 }
 
@@ -141,7 +221,9 @@ def build_kb(intents: int = 5, topics_per_intent: int = 4, kb_seed: int = 0) -> 
     entries = []
     for (intent, topic), n in zip(chosen, numbers):
         v = rng.choice(topic.values)
-        entries.append(Entry(f"K{n}", intent, topic.title, topic.fact.format(v=v), _value_phrase(topic.fact, v), topic.queries))
+        entries.append(
+            Entry(f"K{n}", intent, topic.title, topic.fact.format(v=v), _value_phrase(topic.fact, v), topic.queries)
+        )
     return tuple(entries)
 
 

@@ -24,7 +24,9 @@ Operation = Literal["+", "-", "*"]
 class ArithmeticOptions:
     difficulty: int = option(1, ge=1, le=6)  # digits per operand
     terms: int = option(2, ge=2, le=6)  # operands per question
-    max_operand: int | None = option(None, ge=1)  # cap each operand (for a smaller task than all `difficulty`-digit numbers)
+    max_operand: int | None = option(
+        None, ge=1
+    )  # cap each operand (for a smaller task than all `difficulty`-digit numbers)
     operations: list[Operation] = field(default_factory=lambda: ["+"])  # drawn uniformly between terms
     answer_tag: str = "answer"
     prompt: str = "What is {question}? Put the final answer in <{tag}></{tag}>."
@@ -36,12 +38,16 @@ class ArithmeticOptions:
         try:
             self.prompt.format(question="1 + 1", tag=self.answer_tag)
         except (KeyError, IndexError, ValueError) as e:
-            raise OptionError("prompt", f"may only use the fields {{question}} and {{tag}}: {type(e).__name__}: {e}") from None
+            raise OptionError(
+                "prompt", f"may only use the fields {{question}} and {{tag}}: {type(e).__name__}: {e}"
+            ) from None
         if "{question}" not in self.prompt:
             raise OptionError("prompt", "must contain {question}")
         low = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
         if self.max_operand is not None and self.max_operand < low:
-            raise OptionError("max_operand", f"must be >= {low}, the smallest {self.difficulty}-digit operand, got {self.max_operand}")
+            raise OptionError(
+                "max_operand", f"must be >= {low}, the smallest {self.difficulty}-digit operand, got {self.max_operand}"
+            )
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ class CustomerServiceOptions:
     intents: int = option(4, ge=2, le=len(INTENTS))  # billing, shipping, returns, account, technical (the first n)
     topics_per_intent: int = option(3, ge=1, le=4)  # knowledge-base entries per intent
     candidates: int = option(3, ge=1, le=8)  # entries listed for the retrieval agent
-    candidate_source: Literal["predicted", "mixed"] = "predicted"  # predicted: the predicted intent's entries; mixed: gold + any
+    candidate_source: Literal["predicted", "mixed"] = (
+        "predicted"  # predicted: the predicted intent's entries; mixed: gold + any
+    )
     paraphrases: int = option(3, ge=1, le=3)  # query wordings per entry (1: one fixed question per entry)
     kb_seed: int = 0  # draws the entry ids and fact values: the same seed, the same knowledge base
     label_tokens: int | None = option(1, ge=1)  # the intent and retrieval turns' token cap; None: train.max_new_tokens
@@ -68,7 +70,10 @@ class CustomerServiceOptions:
     def __post_init__(self) -> None:
         total = self.intents * self.topics_per_intent
         if self.candidates > total:
-            raise OptionError("candidates", f"must be at most intents * topics_per_intent = {total} (the entries there are), got {self.candidates}")
+            raise OptionError(
+                "candidates",
+                f"must be at most intents * topics_per_intent = {total} (the entries there are), got {self.candidates}",
+            )
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,17 @@ def tiny_policy_options(**model: Any) -> dict[str, Any]:
     punctuation, space, newline and the one-letter words ``a`` and ``i`` are characters. ``model`` adds or
     overrides the model's size (``d_model``, ...).
     """
-    return {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "max_len": 128,
-            "alphabet": ALPHABET, "atoms": vocabulary(), "unknown": "unk", **model}
+    return {
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "d_ff": 256,
+        "max_len": 128,
+        "alphabet": ALPHABET,
+        "atoms": vocabulary(),
+        "unknown": "unk",
+        **model,
+    }
 
 
 @hookimpl
@@ -239,8 +253,7 @@ def register_environments(register: Any) -> None:
         CustomerServiceEnv,
         options=CustomerServiceOptions,
         description=(
-            "turn-based customer-support pipeline: intent -> retrieval -> response "
-            "over a synthetic knowledge base"
+            "turn-based customer-support pipeline: intent -> retrieval -> response over a synthetic knowledge base"
         ),
     )
 

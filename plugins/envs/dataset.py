@@ -60,7 +60,9 @@ class DatasetOptions:
     system_prompt: str | None = None  # a system message put in front of every prompt
     answer_column: str = "answer"  # the expected answer, as metadata["answer"]
     metadata_columns: list[str] = field(default_factory=list)  # more columns copied into the metadata
-    eval_fraction: float = option(0.1, ge=0, lt=1)  # the share of path's rows held out (when eval_size and eval_path are not set)
+    eval_fraction: float = option(
+        0.1, ge=0, lt=1
+    )  # the share of path's rows held out (when eval_size and eval_path are not set)
     eval_size: int | None = option(None, ge=0)  # instead: this many rows held out
     eval_path: str | None = None  # instead: this file (same format rules) is the held-out split; path is all training
     split_seed: int = 0  # which rows are held out (the same for every run seed, so runs compare on the same rows)
@@ -70,7 +72,9 @@ class DatasetOptions:
 
     def __post_init__(self) -> None:
         if not self.path.strip():
-            raise OptionError("path", "required: a local .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder")
+            raise OptionError(
+                "path", "required: a local .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder"
+            )
         if self.template is not None and self.messages_column is not None:
             raise OptionError("template", "set template or messages_column, not both")
         if self.template is not None:
@@ -79,7 +83,10 @@ class DatasetOptions:
             raise OptionError("eval_size", "set eval_size or eval_path, not both")
         for name in self.metadata_columns:
             if name in RESERVED_METADATA:
-                raise OptionError("metadata_columns", f"{name!r} is a metadata key the environment sets itself ({', '.join(RESERVED_METADATA)})")
+                raise OptionError(
+                    "metadata_columns",
+                    f"{name!r} is a metadata key the environment sets itself ({', '.join(RESERVED_METADATA)})",
+                )
         if any(not s for s in self.stop):
             raise OptionError("stop", "stop strings must not be empty")
 
@@ -129,12 +136,16 @@ def read_rows(path_text: str, fmt: str, data_split: str, key: str) -> tuple[list
     """Every row of the file (in order) and its column names; a one-line :class:`ConfigError` naming ``key``."""
     path = Path(path_text).expanduser()
     if not path.exists():
-        raise ConfigError(f"{WHERE}.{key}: {path_text!r} does not exist (a local file or folder; nothing is downloaded)")
+        raise ConfigError(
+            f"{WHERE}.{key}: {path_text!r} does not exist (a local file or folder; nothing is downloaded)"
+        )
     fmt = detect_format(path, fmt, key)
     if fmt != "disk" and path.is_dir():
         raise ConfigError(f"{WHERE}.{key}: {path_text!r} is a folder, but format is {fmt}")
     if fmt == "disk" and not path.is_dir():
-        raise ConfigError(f"{WHERE}.{key}: {path_text!r} is not a folder; format disk reads a datasets.save_to_disk folder")
+        raise ConfigError(
+            f"{WHERE}.{key}: {path_text!r} is not a folder; format disk reads a datasets.save_to_disk folder"
+        )
     reader = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "disk": _read_disk}[fmt]
     rows, columns = reader(path, path_text, key, data_split)
     if not rows:
@@ -152,9 +163,13 @@ def _read_jsonl(path: Path, shown: str, key: str, data_split: str) -> tuple[list
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{WHERE}.{key}: {shown} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise ConfigError(
+                    f"{WHERE}.{key}: {shown} line {number}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(value, dict):
-                raise ConfigError(f"{WHERE}.{key}: {shown} line {number}: expected a JSON object, got {type(value).__name__}")
+                raise ConfigError(
+                    f"{WHERE}.{key}: {shown} line {number}: expected a JSON object, got {type(value).__name__}"
+                )
             columns.update(dict.fromkeys(value))
             rows.append(RawRow(f"line {number}", value))
     return rows, list(columns)
@@ -176,9 +191,13 @@ def _read_csv(path: Path, shown: str, key: str, data_split: str) -> tuple[list[R
             for values in reader:
                 where = f"line {reader.line_num}"
                 if None in values:
-                    raise ConfigError(f"{WHERE}.{key}: {shown} {where}: has more fields than the header's {len(header)}")
+                    raise ConfigError(
+                        f"{WHERE}.{key}: {shown} {where}: has more fields than the header's {len(header)}"
+                    )
                 if any(v is None for v in values.values()):
-                    raise ConfigError(f"{WHERE}.{key}: {shown} {where}: has fewer fields than the header's {len(header)}")
+                    raise ConfigError(
+                        f"{WHERE}.{key}: {shown} {where}: has fewer fields than the header's {len(header)}"
+                    )
                 rows.append(RawRow(where, dict(values)))
         except csv.Error as e:
             raise ConfigError(f"{WHERE}.{key}: {shown} line {reader.line_num}: not valid CSV ({e})") from None
@@ -204,14 +223,20 @@ def _read_disk(path: Path, shown: str, key: str, data_split: str) -> tuple[list[
     try:
         import datasets
     except ImportError as e:
-        raise MissingDependency(f"{WHERE}.{key}: reading a saved dataset folder", "datasets", INSTALL_HINT, cause=e) from None
+        raise MissingDependency(
+            f"{WHERE}.{key}: reading a saved dataset folder", "datasets", INSTALL_HINT, cause=e
+        ) from None
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises FileNotFoundError for a folder it did not write, and others
-        raise ConfigError(f"{WHERE}.{key}: {shown}: not a folder written by datasets' save_to_disk: {_first_line(e)}") from None
+        raise ConfigError(
+            f"{WHERE}.{key}: {shown}: not a folder written by datasets' save_to_disk: {_first_line(e)}"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         if data_split not in loaded:
-            raise ConfigError(f"{WHERE}.data_split: {shown} has no split {data_split!r}; its splits are {', '.join(loaded)}")
+            raise ConfigError(
+                f"{WHERE}.data_split: {shown} has no split {data_split!r}; its splits are {', '.join(loaded)}"
+            )
         loaded = loaded[data_split]
     return [RawRow(f"row {i + 1}", values) for i, values in enumerate(loaded.to_list())], list(loaded.column_names)
 
@@ -235,7 +260,9 @@ def make_tasks(options: DatasetOptions, rows: Sequence[RawRow], columns: Sequenc
     needed += [("metadata_columns", name) for name in o.metadata_columns]
     for key, column in needed:
         if column not in columns:
-            raise ConfigError(f"{WHERE}.{key}: no column {column!r} in {shown}; its columns are {', '.join(map(str, columns))}")
+            raise ConfigError(
+                f"{WHERE}.{key}: no column {column!r} in {shown}; its columns are {', '.join(map(str, columns))}"
+            )
     return [_task(o, i, raw, shown) for i, raw in enumerate(rows)]
 
 
@@ -268,7 +295,11 @@ def _task(o: DatasetOptions, index: int, raw: RawRow, shown: str) -> Task:
                 raise bad(f"prompt ({o.prompt_column!r}) must be text, got {type(value).__name__}")
             text = value
         if not text.strip():
-            raise bad("the template gives an empty prompt" if o.template is not None else f"prompt ({o.prompt_column!r}) is empty")
+            raise bad(
+                "the template gives an empty prompt"
+                if o.template is not None
+                else f"prompt ({o.prompt_column!r}) is empty"
+            )
         chat = [*system, Message("user", text)]
         prompt = f"{o.system_prompt}\n\n{text}" if o.system_prompt else text
     meta = tuple((name, column(name)) for name in o.metadata_columns)
@@ -280,9 +311,13 @@ def _messages(value: Any, name: str, bad: Any) -> list[Message]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise bad(f"messages ({name!r}) must be a list of {{role, content}} messages (or its JSON), got text") from None
+            raise bad(
+                f"messages ({name!r}) must be a list of {{role, content}} messages (or its JSON), got text"
+            ) from None
     if not isinstance(value, list) or not value:
-        raise bad(f"messages ({name!r}) must be a non-empty list of {{role, content}} messages, got {type(value).__name__}")
+        raise bad(
+            f"messages ({name!r}) must be a non-empty list of {{role, content}} messages, got {type(value).__name__}"
+        )
     out = []
     for i, m in enumerate(value):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
@@ -382,7 +417,6 @@ def register_environments(register: Any) -> None:
         DatasetEnv,
         options=DatasetOptions,
         description=(
-            "questions and answers from a local JSONL, CSV, Parquet file or "
-            "datasets folder, with a held-out split"
+            "questions and answers from a local JSONL, CSV, Parquet file or datasets folder, with a held-out split"
         ),
     )

@@ -63,7 +63,9 @@ def import_reasoning_gym() -> Any:
 class ReasoningGymOptions:
     task: str | None = None  # one reasoning_gym task; null and no tasks: basic_arithmetic
     tasks: dict[str, float] = field(default_factory=dict)  # instead: a weighted mix, task name -> weight (> 0)
-    task_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> its dataset config's keyword arguments
+    task_options: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # task name -> its dataset config's keyword arguments
     size: int = option(10_000, ge=1)  # training entries
     seed: int = 0  # the training entries' generator seed
     eval_size: int = option(200, ge=1)  # held-out entries
@@ -88,7 +90,10 @@ class ReasoningGymOptions:
                 raise OptionError(f"task_options.{name}", f"{name!r} is not one of the tasks ({', '.join(names)})")
             for key in _SET_BY_ENVIRONMENT:
                 if key in config:
-                    raise OptionError(f"task_options.{name}.{key}", "is set by the environment; use seed, size, eval_seed and eval_size")
+                    raise OptionError(
+                        f"task_options.{name}.{key}",
+                        "is set by the environment; use seed, size, eval_seed and eval_size",
+                    )
         fields = format_fields("prompt", self.prompt)
         for f in fields:
             if f not in PROMPT_FIELDS:
@@ -109,7 +114,11 @@ def make_dataset(rg: Any, o: ReasoningGymOptions, *, seed: int, size: int) -> An
     for name in o.task_names:
         if name not in known:
             close = difflib.get_close_matches(name, list(known), n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else f"; see reasoning_gym.factory.DATASETS ({len(known)} tasks)"
+            hint = (
+                f"; did you mean {', '.join(map(repr, close))}?"
+                if close
+                else f"; see reasoning_gym.factory.DATASETS ({len(known)} tasks)"
+            )
             key = f"tasks.{name}" if o.tasks else "task"
             raise ConfigError(f"{WHERE}.{key}: unknown reasoning_gym task {name!r}{hint}")
     if not o.tasks:
@@ -210,7 +219,9 @@ class ReasoningGymEnv:
 # ---- the reward --------------------------------------------------------------------------------------
 @dataclass
 class ReasoningGymRewardOptions:
-    tag: str | None = "answer"  # the answer is the last <tag>...</tag> (none: score_answer gets None); null: the whole completion
+    tag: str | None = (
+        "answer"  # the answer is the last <tag>...</tag> (none: score_answer gets None); null: the whole completion
+    )
 
     def __post_init__(self) -> None:
         if self.tag is not None and not self.tag.replace("_", "").replace("-", "").isalnum():
@@ -228,7 +239,9 @@ class ReasoningGymReward:
     max_score = 1.0
 
     def __init__(self, **options: Any) -> None:
-        self.options: ReasoningGymRewardOptions = check_options(ReasoningGymRewardOptions, options, where="reasoning_gym")
+        self.options: ReasoningGymRewardOptions = check_options(
+            ReasoningGymRewardOptions, options, where="reasoning_gym"
+        )
         import_reasoning_gym()  # fail here, when the run is built, rather than at the first score
         self._scorers: dict[tuple[str, str], Any] = {}
 
@@ -236,14 +249,18 @@ class ReasoningGymReward:
         """The task's ``score_answer``, from a data set built with the same options as the environment's."""
         key = (task, json.dumps(task_options, sort_keys=True, default=repr))
         if key not in self._scorers:
-            self._scorers[key] = import_reasoning_gym().create_dataset(task, seed=0, size=1, **task_options).score_answer
+            self._scorers[key] = (
+                import_reasoning_gym().create_dataset(task, seed=0, size=1, **task_options).score_answer
+            )
         return self._scorers[key]
 
     def answer(self, completion: str) -> str | None:
         tag = self.options.tag
         return completion.strip() if tag is None else extract_tag(completion, tag)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
         import torch
 
         values: list[float] = []
@@ -268,7 +285,9 @@ class ReasoningGymReward:
         metrics["scorer_errors"] = float(errors)
         return RewardOutput(scores=torch.tensor(values, dtype=torch.float32), metrics=metrics)
 
-    def evaluate(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardOutput:
+    def evaluate(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput:
         """Held-out scoring is the same call: the reward keeps no state (its scorer cache changes no score)."""
         return self(prompts, completions, metadata)
 

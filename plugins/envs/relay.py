@@ -63,7 +63,10 @@ class RelayOptions:
     def __post_init__(self) -> None:
         facts = self.entities * len(ATTRIBUTES)
         if self.documents > facts:
-            raise OptionError("documents", f"must be at most entities * {len(ATTRIBUTES)} = {facts} (the facts there are), got {self.documents}")
+            raise OptionError(
+                "documents",
+                f"must be at most entities * {len(ATTRIBUTES)} = {facts} (the facts there are), got {self.documents}",
+            )
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,11 @@ class RelayEnv:
         if row.turn == 0:
             query = _tag(action, "query")
             parts = [p.strip() for p in query.split("|")] if query is not None else []
-            ok = len(parts) == 2 and parts[0].casefold() == task.entity.casefold() and parts[1].casefold() == task.attribute
+            ok = (
+                len(parts) == 2
+                and parts[0].casefold() == task.entity.casefold()
+                and parts[1].casefold() == task.attribute
+            )
             row.query = query if query is not None else " ".join(action.split())[:200] or "(empty)"
             return {"query": query, "query_ok": ok}
         if row.turn == 1:
@@ -186,7 +193,6 @@ def register_environments(register: Any) -> None:
         RelayEnv,
         options=RelayOptions,
         description=(
-            "turn-based multi-agent lookup: planner -> retriever -> responder over "
-            "a per-episode knowledge base"
+            "turn-based multi-agent lookup: planner -> retriever -> responder over a per-episode knowledge base"
         ),
     )

@@ -105,7 +105,9 @@ class TextArenaOptions:
     num_players: int | None = option(None, ge=1)  # None: the first count the game accepts of 2, 1, 3, 4, ..., 8
     opponents: dict[str, str] = field(default_factory=dict)  # player id -> "random" | "first" | "fixed:<action>"
     game_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the game (e.g. num_rounds: 3)
-    max_turns: int = option(64, ge=1)  # Palestra turns per episode (retries after an invalid move count); then the episode is cut
+    max_turns: int = option(
+        64, ge=1
+    )  # Palestra turns per episode (retries after an invalid move count); then the episode is cut
     prompt_template: str = "{observation}"  # see the module docstring for the fields
     max_new_tokens: int | None = option(None, ge=1)  # each turn's token cap; None: train.max_new_tokens
     stop: list[str] = field(default_factory=list)  # extra stop strings for every turn
@@ -116,12 +118,16 @@ class TextArenaOptions:
         for key, kind in self.opponents.items():
             if not key.isdigit():
                 raise OptionError(f"opponents.{key}", "keys are player ids: '0', '1', ...")
-            if kind not in ("random", "first") and not (kind.startswith("fixed:") and kind[len("fixed:"):]):
-                raise OptionError(f"opponents.{key}", f"unknown opponent {kind!r}; use one of {', '.join(OPPONENT_KINDS)}")
+            if kind not in ("random", "first") and not (kind.startswith("fixed:") and kind[len("fixed:") :]):
+                raise OptionError(
+                    f"opponents.{key}", f"unknown opponent {kind!r}; use one of {', '.join(OPPONENT_KINDS)}"
+                )
         names = format_fields("prompt_template", self.prompt_template)
         for name in names:
             if name not in TEMPLATE_FIELDS:
-                raise OptionError("prompt_template", f"unknown field {{{name}}}; the fields are {', '.join(TEMPLATE_FIELDS)}")
+                raise OptionError(
+                    "prompt_template", f"unknown field {{{name}}}; the fields are {', '.join(TEMPLATE_FIELDS)}"
+                )
         if any(not s for s in self.stop):
             raise OptionError("stop", "stop strings must not be empty")
 
@@ -174,7 +180,9 @@ class TextArenaEnv:
                 raise GameSetupError(f"opponents.{player}", f"{o.game} has players 0-{self.num_players - 1}")
         learners = [p for p in range(self.num_players) if p not in self.opponents]
         if not learners:
-            raise GameSetupError("opponents", "every player is a scripted opponent; leave at least one player to the agents")
+            raise GameSetupError(
+                "opponents", "every player is a scripted opponent; leave at least one player to the agents"
+            )
         self.agent_ids: tuple[str, ...] = tuple(agent_name(p) for p in learners)
         self.player_of: dict[str, int] = {agent_name(p): p for p in learners}
         self.max_turns = o.max_turns
@@ -196,12 +204,18 @@ class TextArenaEnv:
             try:
                 self._make().reset(num_players=players, seed=0)
             except Exception as e:  # noqa: BLE001 - sorted below: a wrong player count, or a game that cannot start
-                if isinstance(e, TypeError) and self.options.game_options:  # most likely a keyword the game does not take
-                    raise GameSetupError("game_options", f"{self.options.game} could not start: {_one_line(e)}") from None
+                if (
+                    isinstance(e, TypeError) and self.options.game_options
+                ):  # most likely a keyword the game does not take
+                    raise GameSetupError(
+                        "game_options", f"{self.options.game} could not start: {_one_line(e)}"
+                    ) from None
                 if not isinstance(e, (AssertionError, ValueError)):
                     raise GameSetupError("game", f"{self.options.game} could not start: {_one_line(e)}") from None
                 if raise_errors:
-                    raise GameSetupError("num_players", f"{self.options.game} does not start with {players} players: {_one_line(e)}") from None
+                    raise GameSetupError(
+                        "num_players", f"{self.options.game} does not start with {players} players: {_one_line(e)}"
+                    ) from None
                 return False
         return True
 
@@ -212,7 +226,9 @@ class TextArenaEnv:
         try:  # none worked: show the game's own error for two players
             self._probe(2, raise_errors=True)
         except GameSetupError as e:
-            raise GameSetupError("game", f"{self.options.game} would not start with any of {list(_PLAYER_COUNTS)} players ({e.message})") from None
+            raise GameSetupError(
+                "game", f"{self.options.game} would not start with any of {list(_PLAYER_COUNTS)} players ({e.message})"
+            ) from None
         raise AssertionError("unreachable")
 
     # ---- protocol ----------------------------------------------------------------------------------------
@@ -232,16 +248,30 @@ class TextArenaEnv:
             if row.observation is observation:
                 with self._random(row):
                     return self._valid_moves(row, row.player)
-        raise ValueError("legal_moves: the observation is not the current observation of a running game of this environment")
+        raise ValueError(
+            "legal_moves: the observation is not the current observation of a running game of this environment"
+        )
 
     # ---- one game ----------------------------------------------------------------------------------------
     def _start(self, seed: int) -> _Row:
         o = self.options
-        outcome: dict[str, Any] = {"finished": False, "truncated": False, "rewards": None, "agent_rewards": None,
-                                   "reason": None, "invalid_move": None, "turns": 0}
-        meta = {"game": o.game, "seed": seed, "num_players": self.num_players,
-                "agents": dict(self.player_of), "opponents": {str(p): k for p, k in self.opponents.items()},
-                "outcome": outcome}
+        outcome: dict[str, Any] = {
+            "finished": False,
+            "truncated": False,
+            "rewards": None,
+            "agent_rewards": None,
+            "reason": None,
+            "invalid_move": None,
+            "turns": 0,
+        }
+        meta = {
+            "game": o.game,
+            "seed": seed,
+            "num_players": self.num_players,
+            "agents": dict(self.player_of),
+            "opponents": {str(p): k for p, k in self.opponents.items()},
+            "outcome": outcome,
+        }
         row = _Row(game=self._make(), seed=seed, rng=None, meta=meta)
         with _saved_random():
             random.seed(seed)
@@ -252,7 +282,9 @@ class TextArenaEnv:
             row.history = {p: [] for p in range(self.num_players)}
             self._play_opponents(row, [])
         if row.done:
-            raise RuntimeError(f"textarena: {o.game} ended before any agent acted (seed {seed}); check the opponents option")
+            raise RuntimeError(
+                f"textarena: {o.game} ended before any agent acted (seed {seed}); check the opponents option"
+            )
         row.observation = self._observation(row)
         return row
 
@@ -264,8 +296,12 @@ class TextArenaEnv:
             before = len(row.rejected)
             self._game_step(row, action)
             accepted = len(row.rejected) == before
-            mine: dict[str, Any] = {"player": player, "action": action, "valid": accepted,
-                                    "reason": None if accepted else row.rejected[-1]}
+            mine: dict[str, Any] = {
+                "player": player,
+                "action": action,
+                "valid": accepted,
+                "reason": None if accepted else row.rejected[-1],
+            }
             scripted: list[dict[str, Any]] = []
             if not row.done:
                 self._play_opponents(row, scripted)
@@ -310,8 +346,10 @@ class TextArenaEnv:
             moves.append({"player": player, "action": action, "valid": len(row.rejected) == before})
             if row.done:
                 return
-        raise RuntimeError(f"textarena: the scripted players of {self.options.game} made {_MAX_SCRIPTED_MOVES} moves in a row "
-                           f"without the game ending or an agent's turn coming (seed {row.seed})")
+        raise RuntimeError(
+            f"textarena: the scripted players of {self.options.game} made {_MAX_SCRIPTED_MOVES} moves in a row "
+            f"without the game ending or an agent's turn coming (seed {row.seed})"
+        )
 
     def _read(self, row: _Row) -> tuple[int, list[tuple[int, str, Any]], str]:
         """The acting player, its new raw messages and its rendered observation (textarena hands each over once)."""
@@ -329,7 +367,7 @@ class TextArenaEnv:
     def _scripted_move(self, row: _Row, player: int) -> str:
         kind = self.opponents[player]
         if kind.startswith("fixed:"):
-            return kind[len("fixed:"):]
+            return kind[len("fixed:") :]
         if kind == "first":
             moves = self._valid_moves(row, player, first_only=True)
             return moves[0] if moves else ""
@@ -384,8 +422,12 @@ class TextArenaEnv:
             finished=True,
             rewards={str(p): r for p, r in sorted(by_player.items())},
             agent_rewards={a: by_player.get(p, 0.0) for a, p in self.player_of.items()},
-            reason=next((str(i.get("reason")) for i in game_info.values() if isinstance(i, Mapping) and i.get("reason")), None),
-            invalid_move={str(p): bool(i.get("invalid_move", False)) for p, i in game_info.items() if isinstance(i, Mapping)},
+            reason=next(
+                (str(i.get("reason")) for i in game_info.values() if isinstance(i, Mapping) and i.get("reason")), None
+            ),
+            invalid_move={
+                str(p): bool(i.get("invalid_move", False)) for p, i in game_info.items() if isinstance(i, Mapping)
+            },
             turns=row.turn,
         )
 
@@ -400,7 +442,10 @@ class TextArenaEnv:
             "latest": _render(row.latest, row.game.state),
             "prompt": next((m for _, m, t in history if _kind(t) == "PROMPT"), ""),
             "board": next((m for _, m, t in reversed(history) if _kind(t) == "GAME_BOARD"), ""),
-            "player": player, "agent": agent, "game": o.game, "turn": row.turn,
+            "player": player,
+            "agent": agent,
+            "game": o.game,
+            "turn": row.turn,
         }
         if "moves" in self._fields:
             with self._random(row):
@@ -536,14 +581,18 @@ class GameOutcomeReward:
         outcome = meta.get("outcome")
         agent = meta.get("agent_id")
         if not isinstance(outcome, Mapping):
-            raise ValueError("the row's metadata has no 'outcome': game_outcome scores episodes of the textarena environment")
+            raise ValueError(
+                "the row's metadata has no 'outcome': game_outcome scores episodes of the textarena environment"
+            )
         flags = dict.fromkeys(("win", "draw", "loss", "invalid", "unfinished"), 0.0)
         if not outcome.get("finished"):
             flags["unfinished"] = 1.0
             return self.options.unfinished, flags
         player = (meta.get("agents") or {}).get(agent)
         if player is None:
-            raise ValueError(f"agent {agent!r} is not a player of this game (agents: {sorted(meta.get('agents') or {})})")
+            raise ValueError(
+                f"agent {agent!r} is not a player of this game (agents: {sorted(meta.get('agents') or {})})"
+            )
         raw = float(outcome["rewards"].get(str(player), 0.0))
         result = result_of(raw)
         flags[result] = 1.0
@@ -551,7 +600,9 @@ class GameOutcomeReward:
         value = getattr(self.options, result)
         return (raw if value is None else float(value)), flags
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> Any:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> Any:
         import torch
 
         from palestra.types import RewardOutput
@@ -578,5 +629,9 @@ def register_environments(register: Any) -> None:
 
 @hookimpl
 def register_rewards(register: Any) -> None:
-    register("game_outcome", GameOutcomeReward, options=GameOutcomeOptions,
-             description="textarena: each agent's own game result (win/draw/loss, or the game's score)")
+    register(
+        "game_outcome",
+        GameOutcomeReward,
+        options=GameOutcomeOptions,
+        description="textarena: each agent's own game result (win/draw/loss, or the game's score)",
+    )

@@ -89,10 +89,16 @@ def format_duration(seconds: float) -> str:
 
 
 def select_metrics(metrics: Mapping[str, Any], keys: list[str]) -> list[tuple[str, Any]]:
-    """``(short name, value)`` for each of ``keys`` present in ``metrics``, in the order of ``keys`` (globs expand sorted)."""
+    """``(short name, value)`` for each of ``keys`` in ``metrics``, in the order of ``keys`` (globs expand sorted)."""
     chosen: list[str] = []
     for key in keys:
-        matches = sorted(k for k in metrics if fnmatch.fnmatchcase(k, key)) if any(c in key for c in "*?[") else [key] if key in metrics else []
+        matches = (
+            sorted(k for k in metrics if fnmatch.fnmatchcase(k, key))
+            if any(c in key for c in "*?[")
+            else [key]
+            if key in metrics
+            else []
+        )
         chosen += [m for m in matches if m not in chosen]
     return [(SHORT_NAMES.get(k, k), metrics[k]) for k in chosen]
 
@@ -124,7 +130,9 @@ class ConsoleLogger:
         if use_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc=Path(run_dir).name or None, unit="step", file=self._stream, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self.total, desc=Path(run_dir).name or None, unit="step", file=self._stream, dynamic_ncols=True
+            )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._stream is None:
@@ -187,4 +195,9 @@ def _isatty(stream: IO[str]) -> bool:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("console", ConsoleLogger, options=ConsoleOptions, description="a progress bar over train.steps with key metrics on stderr (plain lines when not a terminal)")
+    register(
+        "console",
+        ConsoleLogger,
+        options=ConsoleOptions,
+        description="a progress bar over train.steps with key metrics on stderr (plain lines when not a terminal)",
+    )

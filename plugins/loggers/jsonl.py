@@ -33,7 +33,9 @@ def scalar_value(key: str, value: Any) -> float | int | bool | str | None:
         try:
             value = value.item()
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"metric {key!r} must be a scalar, got {type(value).__name__} {getattr(value, 'shape', '')}".rstrip()) from None
+            raise TypeError(
+                f"metric {key!r} must be a scalar, got {type(value).__name__} {getattr(value, 'shape', '')}".rstrip()
+            ) from None
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, numbers.Integral):
@@ -49,7 +51,10 @@ def json_record(metrics: Mapping[str, Any], step: int, wall_time: float) -> dict
     record: dict[str, Any] = {"step": int(step), "time": wall_time}
     for key, value in metrics.items():
         if key in RESERVED_KEYS:
-            raise ValueError(f"metric name {key!r} is reserved by the jsonl logger (every line has {' and '.join(RESERVED_KEYS)}); rename the metric")
+            raise ValueError(
+                f"metric name {key!r} is reserved by the jsonl logger (every "
+                f"line has {' and '.join(RESERVED_KEYS)}); rename the metric"
+            )
         record[str(key)] = scalar_value(key, value)
     return record
 
@@ -74,7 +79,10 @@ class JsonlOptions:
     def __post_init__(self) -> None:
         path = PurePath(self.filename)
         if not self.filename or path.is_absolute() or ".." in path.parts or self.filename.endswith(("/", "\\")):
-            raise OptionError("filename", f"must be a file name inside the run directory such as 'metrics.jsonl', got {self.filename!r}")
+            raise OptionError(
+                "filename",
+                f"must be a file name inside the run directory such as 'metrics.jsonl', got {self.filename!r}",
+            )
 
 
 class JsonlLogger:
@@ -109,4 +117,9 @@ class JsonlLogger:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("jsonl", JsonlLogger, options=JsonlOptions, description="append one JSON line of metrics per step to <run_dir>/metrics.jsonl")
+    register(
+        "jsonl",
+        JsonlLogger,
+        options=JsonlOptions,
+        description="append one JSON line of metrics per step to <run_dir>/metrics.jsonl",
+    )

@@ -1,4 +1,4 @@
-"""The ``tensorboard`` logger: every metric as a scalar in ``<run_dir>/tensorboard`` (view with ``tensorboard --logdir runs``).
+"""The ``tensorboard`` logger: every metric as a scalar in ``<run_dir>/tensorboard`` (``tensorboard --logdir runs``).
 
 It writes through ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package (the
 ``palestra[tensorboard]`` extra). Without it ``palestra plugins --all`` lists the logger as unavailable, and a config
@@ -31,7 +31,7 @@ class TensorBoardOptions:
 
 
 class TensorBoardLogger:
-    """Scalars to TensorBoard event files; the metric's key is its tag, so 'reward/mean' lands in the 'reward' section."""
+    """Scalars to TensorBoard event files; a metric's key is its tag, so 'reward/mean' is in the 'reward' section."""
 
     def __init__(self, **options: Any) -> None:
         self.options: TensorBoardOptions = check_options(TensorBoardOptions, options, where="tensorboard")
@@ -69,4 +69,9 @@ class TensorBoardLogger:
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("tensorboard", Requires(TensorBoardLogger, module="tensorboard", install=INSTALL_HINT), options=TensorBoardOptions, description="scalars to TensorBoard event files in <run_dir>/tensorboard")
+    register(
+        "tensorboard",
+        Requires(TensorBoardLogger, module="tensorboard", install=INSTALL_HINT),
+        options=TensorBoardOptions,
+        description="scalars to TensorBoard event files in <run_dir>/tensorboard",
+    )

@@ -83,8 +83,15 @@ class WandbLogger:
             )
         except Exception as e:  # wandb's errors span lines (retry logs, hints); the first says what went wrong
             first = (str(e).strip().splitlines() or [""])[0]
-            hint = " (online mode needs `wandb login` or WANDB_API_KEY and a reachable server; mode: offline needs neither)" if o.mode == "online" else ""
-            raise WandbInitError(f"wandb logger: wandb.init(mode={o.mode!r}) failed: {type(e).__name__}: {first}{hint}") from e
+            hint = (
+                " (online mode needs `wandb login` or WANDB_API_KEY "
+                "and a reachable server; mode: offline needs neither)"
+                if o.mode == "online"
+                else ""
+            )
+            raise WandbInitError(
+                f"wandb logger: wandb.init(mode={o.mode!r}) failed: {type(e).__name__}: {first}{hint}"
+            ) from e
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self.run is None:
@@ -99,10 +106,19 @@ class WandbLogger:
 
     def _settings(self) -> Any:
         known = getattr(self._wandb.Settings, "model_fields", None)
-        wanted = {k: v for k, v in _QUIET_SETTINGS.items() if known is None and k in ("silent", "console") or known is not None and k in known}
+        wanted: dict[str, Any] = {
+            k: v
+            for k, v in _QUIET_SETTINGS.items()
+            if (known is None and k in ("silent", "console")) or (known is not None and k in known)
+        }
         return self._wandb.Settings(**wanted)
 
 
 @hookimpl
 def register_loggers(register: Any) -> None:
-    register("wandb", Requires(WandbLogger, module="wandb", install=INSTALL_HINT), options=WandbOptions, description="Weights & Biases (offline by default: files under <run_dir>/wandb, no network)")
+    register(
+        "wandb",
+        Requires(WandbLogger, module="wandb", install=INSTALL_HINT),
+        options=WandbOptions,
+        description="Weights & Biases (offline by default: files under <run_dir>/wandb, no network)",
+    )

@@ -85,5 +85,15 @@ class DrGRPO(GRPO):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("grpo", GRPO, options=GRPOOptions, description="GRPO: group-relative advantages, clipped surrogate, optional KL (k3)")
-    register("dr_grpo", DrGRPO, options=DrGRPOOptions, description="Dr.GRPO: GRPO without std scaling, token sums over a constant length")
+    register(
+        "grpo",
+        GRPO,
+        options=GRPOOptions,
+        description="GRPO: group-relative advantages, clipped surrogate, optional KL (k3)",
+    )
+    register(
+        "dr_grpo",
+        DrGRPO,
+        options=DrGRPOOptions,
+        description="Dr.GRPO: GRPO without std scaling, token sums over a constant length",
+    )

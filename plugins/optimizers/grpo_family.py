@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("palestra.plugins.optimizers.grpo_family")
 
-# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them (see rows_for_update)
+# Experience.extras key: a per-row loss weight DAPO uses when it cannot drop rows by selecting them
+# (see rows_for_update)
 ROW_WEIGHT = "dapo_row_weight"
 
 
@@ -165,8 +166,10 @@ class DAPO(GRPO):
 
     def update_metrics(self) -> dict[str, float]:
         # groups are kept whole, so the row share is the group share; the loss over no rows is an empty sum (0)
-        return {"dapo/kept_groups_frac": 0.0 if self.empty_update else self.kept_frac,
-                "dapo/empty_update": 1.0 if self.empty_update else 0.0}
+        return {
+            "dapo/kept_groups_frac": 0.0 if self.empty_update else self.kept_frac,
+            "dapo/empty_update": 1.0 if self.empty_update else 0.0,
+        }
 
     def loss(self, batch: Experience, scores: Any):
         return self.clipped_loss(batch, scores, kl_coef=self.options.beta, row_weight=batch.extras.get(ROW_WEIGHT))
@@ -196,7 +199,9 @@ class GSPO(GRPO):
 # ---- CISPO ------------------------------------------------------------------------------------------------
 @dataclass
 class CISPOOptions(GRPOOptions):
-    clip_eps: float | None = option(None, gt=0, le=1)  # weight's lower bound 1 - clip_eps; None: none (the paper's)
+    # Optional here, where GRPO's is not: CISPO.loss hands it to cispo_surrogate, which takes None as no lower bound,
+    # and no GRPO code that needs a float runs for CISPO.
+    clip_eps: float | None = option(None, gt=0, le=1)  # type: ignore[assignment]  # lower bound 1 - clip_eps
     clip_eps_high: float = option(4.0, gt=0)  # weight's upper bound 1 + clip_eps_high (ScaleRL's eps_max = 5)
     loss_agg: LossAgg = "token_mean"
 
@@ -205,7 +210,8 @@ class CISPO(GRPO):
     """GRPO's advantages with CISPO's loss: a clipped, stop-gradient importance weight times ``A * logp``."""
 
     name = "cispo"
-    Options = CISPOOptions
+    # mypy compares the two classes as constructors: CISPO's clip_eps_high cannot be None, GRPO's can
+    Options = CISPOOptions  # type: ignore[assignment]
     options: CISPOOptions
 
     def loss(self, batch: Experience, scores: Any):
@@ -216,9 +222,21 @@ class CISPO(GRPO):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("dapo", DAPO, options=DAPOOptions,
-             description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped or refilled)")
-    register("gspo", GSPO, options=GSPOOptions,
-             description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence")
-    register("cispo", CISPO, options=CISPOOptions,
-             description="CISPO: GRPO advantages, clipped stop-gradient importance weight on every token's log-prob")
+    register(
+        "dapo",
+        DAPO,
+        options=DAPOOptions,
+        description="DAPO: GRPO with clip-higher, token-level loss, dynamic sampling (tied groups dropped or refilled)",
+    )
+    register(
+        "gspo",
+        GSPO,
+        options=GSPOOptions,
+        description="GSPO: GRPO advantages, sequence-level importance ratio clipped per sequence",
+    )
+    register(
+        "cispo",
+        CISPO,
+        options=CISPOOptions,
+        description="CISPO: GRPO advantages, clipped stop-gradient importance weight on every token's log-prob",
+    )

@@ -80,7 +80,10 @@ class PPO(Algorithm):
         if batch.returns is None or batch.old_values is None:
             raise ValueError(f"{self.name}: batch.returns and batch.old_values are missing; run prepare() first")
         per_token, metrics = self.surrogate_terms(
-            batch, scores, clip_low=o.clip_eps, clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
+            batch,
+            scores,
+            clip_low=o.clip_eps,
+            clip_high=o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps,
             kl_estimator=o.kl_estimator,
         )
         mask = batch.completion_mask
@@ -95,4 +98,9 @@ class PPO(Algorithm):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("ppo", PPO, options=PPOOptions, description="PPO: value head, GAE, clipped surrogate and value loss, KL-shaped rewards")
+    register(
+        "ppo",
+        PPO,
+        options=PPOOptions,
+        description="PPO: value head, GAE, clipped surrogate and value loss, KL-shaped rewards",
+    )

@@ -29,6 +29,7 @@ from palestra import Algorithm, Experience, ReplayOptions, hookimpl, option
 
 if TYPE_CHECKING:
     import torch
+
     from palestra.kernels import RunningMoments
 
 
@@ -56,6 +57,7 @@ class Reinforce(Algorithm):
     def segment_ids(self, agent_ids: list[str], device: Any) -> torch.Tensor:
         """Each row's agent segment; a new agent gets a fresh segment (the statistics grow by one)."""
         import torch
+
         from palestra.kernels import RunningMoments
 
         for a in agent_ids:
@@ -94,6 +96,7 @@ class Reinforce(Algorithm):
             r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip, update=False)
         elif o.normalize:
             seg = self.segment_ids(batch.agent_ids, r.device)
+            assert self.moments is not None
             r = normalize_rewards(r, self.moments, segment_ids=seg, clip=o.norm_clip)
         if o.baseline == "batch":
             r = r - r.mean()
@@ -130,7 +133,9 @@ class Reinforce(Algorithm):
         from palestra.kernels import RunningMoments
 
         if set(state) != {"agents", "moments"}:
-            raise KeyError(f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments")
+            raise KeyError(
+                f"{self.name}.load_state_dict: extra state has keys {sorted(state)}, expected agents, moments"
+            )
         self.agents = {a: i for i, a in enumerate(state["agents"])}
         self.moments = None
         if state["moments"] is not None:
@@ -140,5 +145,11 @@ class Reinforce(Algorithm):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("reinforce", Reinforce, options=ReinforceOptions,
-             description="REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay")
+    register(
+        "reinforce",
+        Reinforce,
+        options=ReinforceOptions,
+        description=(
+            "REINFORCE: per-agent running reward normalisation, optional baseline, truncated-IS experience replay"
+        ),
+    )

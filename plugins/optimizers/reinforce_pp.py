@@ -53,5 +53,9 @@ class ReinforcePP(Algorithm):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("reinforce_pp", ReinforcePP, options=ReinforcePPOptions,
-             description="REINFORCE++: KL-shaped token rewards, whitened discounted returns, clipped surrogate")
+    register(
+        "reinforce_pp",
+        ReinforcePP,
+        options=ReinforcePPOptions,
+        description="REINFORCE++: KL-shaped token rewards, whitened discounted returns, clipped surrogate",
+    )

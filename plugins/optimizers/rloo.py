@@ -47,8 +47,12 @@ class RLOO(Algorithm):
 
         rewards = batch.rewards.float()
         if self.options.kl_coef > 0:
-            kl = kl_divergence(batch.behaviour_logprobs.float(), batch.ref_logprobs.float(), batch.completion_mask,
-                               self.options.kl_estimator)
+            kl = kl_divergence(
+                batch.behaviour_logprobs.float(),
+                batch.ref_logprobs.float(),
+                batch.completion_mask,
+                self.options.kl_estimator,
+            )
             rewards = rewards - self.options.kl_coef * kl.sum(-1)
         return rewards
 
@@ -74,4 +78,9 @@ class RLOO(Algorithm):
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("rloo", RLOO, options=RLOOOptions, description="RLOO: leave-one-out baseline, KL reward penalty, clipped surrogate")
+    register(
+        "rloo",
+        RLOO,
+        options=RLOOOptions,
+        description="RLOO: leave-one-out baseline, KL reward penalty, clipped surrogate",
+    )

@@ -81,7 +81,9 @@ def _read_config(transformers: Any, src: _Sources, common: dict[str, Any]) -> An
     try:
         return transformers.AutoConfig.from_pretrained(src.model_dir, **src.from_file, **common)
     except Exception as e:  # noqa: BLE001  (unknown model type, untrusted remote code, bad json, ...)
-        raise ConfigError(f"{WHERE}.{src.model_key}: cannot read the model config in {src.source!r}: {_first_line(e)}") from None
+        raise ConfigError(
+            f"{WHERE}.{src.model_key}: cannot read the model config in {src.source!r}: {_first_line(e)}"
+        ) from None
 
 
 def _load_tokenizer(transformers: Any, src: _Sources, config: Any, common: dict[str, Any]) -> HFTokenizer:
@@ -100,7 +102,9 @@ def _load_tokenizer(transformers: Any, src: _Sources, config: Any, common: dict[
         raise ConfigError(f"{WHERE}.{src.tok_key}: the tokenizer at {src.tok_dir!r}: {e}") from None
 
 
-def _load_model(transformers: Any, src: _Sources, attn_implementation: str, dtype: torch.dtype, common: dict[str, Any]) -> Any:
+def _load_model(
+    transformers: Any, src: _Sources, attn_implementation: str, dtype: torch.dtype, common: dict[str, Any]
+) -> Any:
     load = dict(src.from_file)
     if src.from_file:
         # Dense weights (the packed GGUF layers some devices would get are not trainable), and a model no
@@ -127,6 +131,8 @@ class HFPolicy(CausalLMPolicy):
     """
 
     __module__ = "palestra.plugins.policies.hf"  # pickle and reprs find it there (hf.py loads this module on first use)
+
+    tokenizer: HFTokenizer  # the base's Tokenizer, and more (the chat template, the transformers tokenizer)
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -161,8 +167,10 @@ class HFPolicy(CausalLMPolicy):
     def _adapt(self, model: Any, source: str) -> Any:
         """The module :attr:`model` holds: the transformers model itself (every weight trains)."""
         if self.options.lora is not None:
-            raise TypeError("HFPolicy trains every weight; with options.lora build the policy with "
-                            "build_hf_policy(...) (or LoRAHFPolicy), which adds the adapters")
+            raise TypeError(
+                "HFPolicy trains every weight; with options.lora build the policy with "
+                "build_hf_policy(...) (or LoRAHFPolicy), which adds the adapters"
+            )
         return model
 
     @property
@@ -251,8 +259,14 @@ class HFPolicy(CausalLMPolicy):
         head); encoder: every other child of the decoder (the layers, rotary tables, ...)."""
         names = {id(m): n for n, m in self.named_modules(remove_duplicate=False) if n.startswith("model.")}
         embed = self.hf_model.get_input_embeddings()
-        final_norm = next((getattr(self._decoder, a) for a in ("norm", "final_layernorm", "ln_f")
-                           if isinstance(getattr(self._decoder, a, None), torch.nn.Module)), None)
+        final_norm = next(
+            (
+                getattr(self._decoder, a)
+                for a in ("norm", "final_layernorm", "ln_f")
+                if isinstance(getattr(self._decoder, a, None), torch.nn.Module)
+            ),
+            None,
+        )
         decoder = [names[id(m)] for m in (final_norm, self.hf_model.get_output_embeddings()) if m is not None]
         decoder += ["value_head"] if self.value_head is not None else []
         encoder = [names[id(m)] for m in self._decoder.children() if m is not embed and m is not final_norm]
@@ -268,7 +282,12 @@ class HFPolicy(CausalLMPolicy):
     def model_dims(self) -> dict[str, int]:
         text = self._text_config()
         heads = int(getattr(text, "num_attention_heads", 1) or 1)
-        return {"layers": int(text.num_hidden_layers), "hidden": int(text.hidden_size), "heads": heads, "vocab": len(self.tokenizer)}
+        return {
+            "layers": int(text.num_hidden_layers),
+            "hidden": int(text.hidden_size),
+            "heads": heads,
+            "vocab": len(self.tokenizer),
+        }
 
     def _text_config(self) -> Any:
         """The language model's config (a multimodal config nests it)."""
@@ -330,17 +349,26 @@ class LoRAHFPolicy(HFPolicy):
         import peft
 
         lora = self.options.lora
+        assert lora is not None  # a LoRAHFPolicy is built only when options.lora is set
         targets = _check_targets(model, lora.target_modules, source)
-        config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                 target_modules=targets, bias="none", task_type="CAUSAL_LM")
+        config = peft.LoraConfig(
+            r=lora.r,
+            # peft annotates lora_alpha as int, but only ever divides it by r: a float alpha is used as given
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]
+            lora_dropout=lora.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         try:
             with warnings.catch_warnings():
                 # peft reads transformers' deprecated `is_gradient_checkpointing`; nothing a user can act on
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
                 wrapped = peft.get_peft_model(model, config)
         except ValueError as e:  # no default targets for this architecture, an unsupported layer, ...
-            raise ConfigError(f"{WHERE}.lora.target_modules: cannot add LoRA adapters to the model at {source!r}: "
-                              f"{_first_line(e)}") from None
+            raise ConfigError(
+                f"{WHERE}.lora.target_modules: cannot add LoRA adapters to the model at {source!r}: {_first_line(e)}"
+            ) from None
         # exactly the tensors peft left trainable, by their names in this policy (it holds the wrapper as "model")
         self._adapter_names = frozenset(f"model.{n}" for n, p in wrapped.named_parameters() if p.requires_grad)
         return wrapped

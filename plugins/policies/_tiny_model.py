@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from palestra.config import check_options
-from palestra.models.policy import CausalLMPolicy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from palestra.config import check_options
+from palestra.models.policy import CausalLMPolicy
 from palestra.plugins.policies.char_tokenizer import CharTokenizer
 from palestra.plugins.policies.tiny import TinyOptions
 
@@ -135,6 +135,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
     alphabet and atoms) it rebuilds the policy: ``TinyTransformerPolicy(**dataclasses.asdict(options))``.
     """
 
+    tokenizer: CharTokenizer  # the base's Tokenizer, and more (to_transformers for export)
+
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options: TinyOptions = check_options(TinyOptions, options, where="policy.options")
@@ -218,24 +220,33 @@ class TinyTransformerPolicy(CausalLMPolicy):
         total = past + length
         if tuple(attention_mask.shape) != (b, total):
             raise ValueError(
-                f"attention_mask: expected shape [B, cached + new] = [{b}, {total}] ({past} cached), got {list(attention_mask.shape)}"
+                f"attention_mask: expected shape [B, cached + new] = [{b}, {total}] ({past} cached), "
+                f"got {list(attention_mask.shape)}"
             )
         if tuple(position_ids.shape) != (b, length):
-            raise ValueError(f"position_ids: expected shape [{b}, {length}] like input_ids, got {list(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids: expected shape [{b}, {length}] like input_ids, got {list(position_ids.shape)}"
+            )
         if total > o.max_len:
             raise ValueError(
                 f"policy.options.max_len: a sequence of {total} tokens (prompt + completion, padding included) "
                 f"is longer than max_len={o.max_len}; raise policy.options.max_len or shorten the prompt"
             )
-        if not cache and input_ids.numel():  # once per call (not per decoding step): out-of-range ids give a clear error
+        if (
+            not cache and input_ids.numel()
+        ):  # once per call (not per decoding step): out-of-range ids give a clear error
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.embed.num_embeddings:
-                raise ValueError(f"input_ids: ids must be in [0, {self.embed.num_embeddings}), got values in [{low}, {high}]")
+                raise ValueError(
+                    f"input_ids: ids must be in [0, {self.embed.num_embeddings}), got values in [{low}, {high}]"
+                )
 
         x = self.embed(input_ids)
         cos, sin = self._rope(position_ids, x.dtype)
         mask = attention_mask_4d(attention_mask.to(torch.bool), length)
-        recompute = o.gradient_checkpointing and self.training and torch.is_grad_enabled() and not use_cache and not cache
+        recompute = (
+            o.gradient_checkpointing and self.training and torch.is_grad_enabled() and not use_cache and not cache
+        )
         new_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, block in enumerate(self.blocks):
             if recompute:
@@ -267,12 +278,26 @@ class TinyTransformerPolicy(CausalLMPolicy):
 
         o, tok = self.options, self.tokenizer
         return LlamaConfig(
-            vocab_size=len(tok), hidden_size=o.d_model, intermediate_size=o.d_ff, num_hidden_layers=o.n_layers,
-            num_attention_heads=o.n_heads, num_key_value_heads=o.n_heads, head_dim=o.d_model // o.n_heads,
-            hidden_act="silu", max_position_embeddings=o.max_len, rms_norm_eps=self.norm.eps,
-            rope_theta=o.rope_base, attention_bias=False, mlp_bias=False,  # transformers 5 files it in rope_parameters
-            attention_dropout=0.0, tie_word_embeddings=o.tie_embeddings, initializer_range=o.init_std,
-            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            vocab_size=len(tok),
+            hidden_size=o.d_model,
+            intermediate_size=o.d_ff,
+            num_hidden_layers=o.n_layers,
+            num_attention_heads=o.n_heads,
+            num_key_value_heads=o.n_heads,
+            head_dim=o.d_model // o.n_heads,
+            hidden_act="silu",
+            max_position_embeddings=o.max_len,
+            rms_norm_eps=self.norm.eps,
+            # transformers 4.x's name, which 5.x still takes (into rope_parameters) but leaves out of its signature
+            rope_theta=o.rope_base,  # type: ignore[call-arg]
+            attention_bias=False,
+            mlp_bias=False,  # transformers 5 files it in rope_parameters
+            attention_dropout=0.0,
+            tie_word_embeddings=o.tie_embeddings,
+            initializer_range=o.init_std,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
         )
 
     def llama_state_dict(self) -> dict[str, torch.Tensor]:
@@ -285,21 +310,24 @@ class TinyTransformerPolicy(CausalLMPolicy):
         ``gate_proj`` then ``up_proj``; a final RMSNorm; a bias-free head, tied or not.
         """
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed.weight}
-        for i, block in enumerate(self.blocks):
+        for i, module in enumerate(self.blocks):
+            block = cast(Block, module)  # self.blocks holds the Blocks __init__ built, nothing else
             at = f"model.layers.{i}"
             q, k, v = block.attn.qkv.weight.chunk(3, dim=0)
             gate, up = block.mlp.gate_up.weight.chunk(2, dim=0)
-            out.update({
-                f"{at}.input_layernorm.weight": block.attn_norm.weight,
-                f"{at}.self_attn.q_proj.weight": q,
-                f"{at}.self_attn.k_proj.weight": k,
-                f"{at}.self_attn.v_proj.weight": v,
-                f"{at}.self_attn.o_proj.weight": block.attn.out.weight,
-                f"{at}.post_attention_layernorm.weight": block.mlp_norm.weight,
-                f"{at}.mlp.gate_proj.weight": gate,
-                f"{at}.mlp.up_proj.weight": up,
-                f"{at}.mlp.down_proj.weight": block.mlp.down.weight,
-            })
+            out.update(
+                {
+                    f"{at}.input_layernorm.weight": block.attn_norm.weight,
+                    f"{at}.self_attn.q_proj.weight": q,
+                    f"{at}.self_attn.k_proj.weight": k,
+                    f"{at}.self_attn.v_proj.weight": v,
+                    f"{at}.self_attn.o_proj.weight": block.attn.out.weight,
+                    f"{at}.post_attention_layernorm.weight": block.mlp_norm.weight,
+                    f"{at}.mlp.gate_proj.weight": gate,
+                    f"{at}.mlp.up_proj.weight": up,
+                    f"{at}.mlp.down_proj.weight": block.mlp.down.weight,
+                }
+            )
         out["model.norm.weight"] = self.norm.weight
         out["lm_head.weight"] = self.lm_head.weight  # the embedding itself when tied: Llama ties it the same way
         return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in out.items()}
@@ -315,7 +343,8 @@ class TinyTransformerPolicy(CausalLMPolicy):
         with torch.random.fork_rng(devices=[]):
             model = LlamaForCausalLM(self.llama_config())
         model.load_state_dict(self.llama_state_dict(), strict=True)
-        return model.to(dtype).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose annotation loses the signature
+        return model.to(dtype).eval()  # type: ignore[arg-type]
 
     def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
         """Write the policy as a transformers folder: a ``LlamaForCausalLM`` (``config.json``, ``model.safetensors``,

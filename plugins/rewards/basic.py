@@ -77,7 +77,9 @@ class FormatReward:
         found = self._tag.findall(completion)
         return float(len(found) == 1 and bool(found[0].strip()))
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         return scores([self.score(c) for c in completions])
 
 
@@ -133,9 +135,9 @@ def clean_answer(text: str) -> str:
         changed = False
         for left, right in _WRAPPERS:
             if len(text) >= len(left) + len(right) and text.startswith(left) and text.endswith(right):
-                text, changed = text[len(left):len(text) - len(right)].strip(), True
+                text, changed = text[len(left) : len(text) - len(right)].strip(), True
         if text.startswith("\\text{") and text.endswith("}") and text.count("{") == 1:
-            text, changed = text[len("\\text{"):-1].strip(), True
+            text, changed = text[len("\\text{") : -1].strip(), True
         if text.endswith(".") and len(text) > 1:
             text, changed = text[:-1].rstrip(), True
         inner = last_boxed(text)
@@ -180,7 +182,9 @@ def normalise_text(text: str) -> str:
     return " ".join(clean_answer(text).casefold().split()).rstrip(".!").rstrip()
 
 
-def answers_match(given: str, expected: str, *, mode: Literal["auto", "numeric", "text"] = "auto", tolerance: float = 0.0) -> bool:
+def answers_match(
+    given: str, expected: str, *, mode: Literal["auto", "numeric", "text"] = "auto", tolerance: float = 0.0
+) -> bool:
     """Whether ``given`` is the ``expected`` answer: by value when the expected answer is a number (``auto``) or
     always (``numeric``), else as normalised text. Raises ValueError in ``numeric`` mode when ``expected`` is not a
     number (the data is wrong, not the completion)."""
@@ -214,7 +218,9 @@ class CorrectnessReward:
             return 0.0
         return float(answers_match(given, str(meta[o.key]), mode=o.mode, tolerance=o.tolerance))
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         return scores([self.score(c, m) for c, m in zip(completions, metadata)])
 
 
@@ -242,12 +248,26 @@ class LengthReward:
         excess = max(0, abs(self.length(completion) - o.target) - o.tolerance)
         return max(0.0, 1.0 - excess / o.target)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         return scores([self.score(c) for c in completions])
 
 
 @hookimpl
 def register_rewards(register: Any) -> None:
-    register("format", FormatReward, options=FormatOptions, description="1 if the completion has exactly one <answer> tag (or matches a pattern)")
-    register("correctness", CorrectnessReward, options=CorrectnessOptions, description="1 if the tagged answer equals metadata['answer'] (numeric or text)")
-    register("length", LengthReward, options=LengthOptions, description="closeness of the completion's length to a target")
+    register(
+        "format",
+        FormatReward,
+        options=FormatOptions,
+        description="1 if the completion has exactly one <answer> tag (or matches a pattern)",
+    )
+    register(
+        "correctness",
+        CorrectnessReward,
+        options=CorrectnessOptions,
+        description="1 if the tagged answer equals metadata['answer'] (numeric or text)",
+    )
+    register(
+        "length", LengthReward, options=LengthOptions, description="closeness of the completion's length to a target"
+    )

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from palestra import hookimpl
-from palestra.config import OptionError, RewardSpec, check_options, option
 from palestra.checked_reward import RewardError, _evaluate, max_score
+from palestra.config import OptionError, RewardSpec, check_options, option
 from palestra.types import RewardOutput
 
 if TYPE_CHECKING:
@@ -122,7 +122,9 @@ class WeightedSum:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         terms = state.get("terms", {})
         if set(terms) != set(self.labels):
-            raise RewardError(f"weighted_sum: the checkpoint has terms {sorted(terms)}, this config has {sorted(self.labels)}")
+            raise RewardError(
+                f"weighted_sum: the checkpoint has terms {sorted(terms)}, this config has {sorted(self.labels)}"
+            )
         for label, term in zip(self.labels, self.terms):
             term.load_state_dict(terms[label])
 
@@ -146,7 +148,9 @@ class LayeredOptions:
 
     def __post_init__(self) -> None:
         if not self.layers:
-            raise OptionError("layers", "needs at least one reward, e.g. [{name: format}, {name: correctness, unlock_at: 0.8}]")
+            raise OptionError(
+                "layers", "needs at least one reward, e.g. [{name: format}, {name: correctness, unlock_at: 0.8}]"
+            )
         if self.layers[0].unlock_at is not None:
             raise OptionError("layers[0].unlock_at", "the first layer is always active; remove unlock_at")
         for k, layer in enumerate(self.layers[1:], start=1):
@@ -205,11 +209,22 @@ class Layered:
             w = self.watched(k)
             threshold = self.options.layers[k].unlock_at
             ema = self.ema[w]
-            if not self.unlocked[k] and self.unlocked[w] and ema is not None and threshold is not None and ema >= threshold:
+            if (
+                not self.unlocked[k]
+                and self.unlocked[w]
+                and ema is not None
+                and threshold is not None
+                and ema >= threshold
+            ):
                 self.unlocked[k] = True
                 log.info(
                     "layered reward: layer %d %r unlocked after %d calls (%r moving average %.3f >= %s)",
-                    k, self.labels[k], self.calls, self.labels[w], ema, threshold,
+                    k,
+                    self.labels[k],
+                    self.calls,
+                    self.labels[w],
+                    ema,
+                    threshold,
                 )
 
     def evaluate(

@@ -151,7 +151,9 @@ class _RoleReward:
     def score(self, completion: str, meta: Mapping[str, Any]) -> float:
         raise NotImplementedError
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         return _scores([min(1.0, max(0.0, self.score(c, m))) for c, m in zip(completions, metadata)])
 
 
@@ -195,6 +197,18 @@ class PolitenessReward(FluencyReward):
 
 @hookimpl
 def register_rewards(register: Any) -> None:
-    register("fluency", FluencyReward, description="dialogue: a clean label / id list, or a well-formed reply (per agent_id role)")
-    register("factual", FactualReward, description="dialogue: right intent / entry F1 / the gold fact stated without contradiction")
-    register("politeness", PolitenessReward, description="dialogue: polite markers and no rude words in a reply (labels: = fluency)")
+    register(
+        "fluency",
+        FluencyReward,
+        description="dialogue: a clean label / id list, or a well-formed reply (per agent_id role)",
+    )
+    register(
+        "factual",
+        FactualReward,
+        description="dialogue: right intent / entry F1 / the gold fact stated without contradiction",
+    )
+    register(
+        "politeness",
+        PolitenessReward,
+        description="dialogue: polite markers and no rude words in a reply (labels: = fluency)",
+    )

@@ -57,7 +57,9 @@ class OverlongReward:
             return -1.0
         return (free - n) / o.cache
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         import torch
 
         return torch.tensor([self.score(c) for c in completions], dtype=torch.float32)
@@ -65,5 +67,9 @@ class OverlongReward:
 
 @hookimpl
 def register_rewards(register: Any) -> None:
-    register("overlong", OverlongReward, options=OverlongOptions,
-             description="DAPO's soft overlong punishment: 0, then linearly to -1 over the last `cache` of `max_length`")
+    register(
+        "overlong",
+        OverlongReward,
+        options=OverlongOptions,
+        description="DAPO's soft overlong punishment: 0, then linearly to -1 over the last `cache` of `max_length`",
+    )

@@ -1,8 +1,7 @@
 from pathlib import Path
 
-import pytest
-
 import plugin_installs
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,15 @@ PACKAGES = {
     "future": REPO / "tests" / "fixtures" / "future_plugin",  # declares plugin API 3.x only
 }
 # The import names the packages install, so in-process tests can forget them afterwards.
-MODULES = ("palestra_example", "palestra_broken_plugin", "palestra_raising_plugin", "palestra_misspelt_plugin", "palestra_duplicate_plugin", "palestra_fault_plugin", "palestra_future_plugin")
+MODULES = (
+    "palestra_example",
+    "palestra_broken_plugin",
+    "palestra_raising_plugin",
+    "palestra_misspelt_plugin",
+    "palestra_duplicate_plugin",
+    "palestra_fault_plugin",
+    "palestra_future_plugin",
+)
 ENV_VARS = ("PALESTRA_LOAD_PLUGINS", "PALESTRA_TRACE_PLUGINS")
 
 _sites: dict[str, Path] | None = None

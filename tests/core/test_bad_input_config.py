@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from palestra import cli
 from palestra.config import ConfigError, TrainConfig, load_config, option
 from palestra.plugin_manager import get_registry
@@ -76,7 +77,9 @@ def test_yaml_merge_keys_may_still_be_overridden_and_only_plain_data_is_read(tmp
     train = load_config(path).train
     assert (train.steps, train.lr) == (6, 1e-3)
     path.write_text("train: !!python/object/apply:os.getcwd []\n")  # still the safe loader: no arbitrary objects
-    with pytest.raises(ConfigError, match=r"merge\.yaml:1:8: invalid YAML: could not determine a constructor for the tag"):
+    with pytest.raises(
+        ConfigError, match=r"merge\.yaml:1:8: invalid YAML: could not determine a constructor for the tag"
+    ):
         load_config(path)
 
 
@@ -119,21 +122,29 @@ def probe_registry() -> Registry:
     registry = Registry()
     for reg in get_registry():
         registry.add(reg)
-    registry.add(Registration("environment", "probe", lambda **kw: kw, ProbeOptions, "test probe", "tests", "palestra-tests"))
+    registry.add(
+        Registration("environment", "probe", lambda **kw: kw, ProbeOptions, "test probe", "tests", "palestra-tests")
+    )
     return registry
 
 
 def test_renaming_the_reward_starts_from_the_new_rewards_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     # The built-in reward is `layered` with a list of layers, which `format` does not take.
-    code, out, err = run_cli(capsys, "config", "show", "reward.name=format")
+    code, _out, err = run_cli(capsys, "config", "show", "reward.name=format")
     assert code == 0, err
     cfg = load_config(None, ["reward.name=format"])
     assert cfg.reward.name == "format" and cfg.reward.options == type(cfg.reward.options)()
     # Options given by overrides are the user's own, before the rename or after it.
-    for overrides in (["reward.options.pattern=x", "reward.name=format"], ["reward.name=format", "reward.options.pattern=x"]):
+    for overrides in (
+        ["reward.options.pattern=x", "reward.name=format"],
+        ["reward.name=format", "reward.options.pattern=x"],
+    ):
         assert load_config(None, overrides).reward.options.pattern == "x"
     # The same name again is no rename: the options stay.
-    assert load_config(None, ["reward.name=layered"]).reward.options.layers[0].options.pattern == "^<answer>-?[0-9]+</answer>$"
+    assert (
+        load_config(None, ["reward.name=layered"]).reward.options.layers[0].options.pattern
+        == "^<answer>-?[0-9]+</answer>$"
+    )
 
 
 def test_renaming_any_component_node_resets_its_options(tmp_path: Path) -> None:
@@ -153,7 +164,9 @@ def test_renaming_any_component_node_resets_its_options(tmp_path: Path) -> None:
 
 
 # ---- 5. GRPO with groups of one --------------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "scale"), [("grpo", "group"), ("grpo", "none"), ("grpo", "batch"), ("dr_grpo", "none")])
+@pytest.mark.parametrize(
+    ("name", "scale"), [("grpo", "group"), ("grpo", "none"), ("grpo", "batch"), ("dr_grpo", "none")]
+)
 def test_grpo_refuses_group_size_one_at_setup(name: str, scale: str) -> None:
     from palestra.context import TrainContext
     from palestra.engine.learner import Learner
@@ -167,10 +180,14 @@ def test_grpo_refuses_group_size_one_at_setup(name: str, scale: str) -> None:
         "got 1 (every advantage would be 0)"
     )
     algorithm = get_registry().get("optimizer", name).factory(scale=scale)
-    Learner(algorithm, policy, TrainContext.local(TrainConfig(group_size=2, batch_size=2)))  # two completions per prompt are enough
+    Learner(
+        algorithm, policy, TrainContext.local(TrainConfig(group_size=2, batch_size=2))
+    )  # two completions per prompt are enough
 
 
-def test_train_with_grpo_and_group_size_one_stops_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_with_grpo_and_group_size_one_stops_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     runs = tmp_path / "runs"
     assert only_error(capsys, "train", "train.group_size=1", "train.steps=1", f"run.output_dir={runs}") == (
         "palestra train: error: train.group_size: grpo's group-relative advantages need at least 2 completions "
@@ -181,9 +198,10 @@ def test_train_with_grpo_and_group_size_one_stops_before_the_run(tmp_path: Path,
 
 # ---- 6. doctor on a skipped step -------------------------------------------------------------------------
 def doctor_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> tuple[int, dict]:
-    code, out, err = run_cli(
+    code, out, _err = run_cli(
         capsys, "doctor", "--json", "--skip", "versions,kernels,utilisation,data", "train.batch_size=2",
-        "train.group_size=2", "train.max_new_tokens=4", "kernels.backend=torch", "loggers=[]", f"run.output_dir={tmp_path}",
+        "train.group_size=2", "train.max_new_tokens=4", "kernels.backend=torch", "loggers=[]",
+        f"run.output_dir={tmp_path}",
     )  # fmt: skip
     return code, json.loads(out)
 
@@ -194,13 +212,17 @@ def test_doctor_reports_a_step_skipped_for_a_nan_reward_once(
 ) -> None:
     from palestra.plugins.rewards.basic import FormatReward
 
-    monkeypatch.setattr(FormatReward, "__call__", lambda self, prompts, completions, metadata: torch.full((len(completions),), math.nan))
+    monkeypatch.setattr(
+        FormatReward, "__call__", lambda self, prompts, completions, metadata: torch.full((len(completions),), math.nan)
+    )
     code, report = doctor_json(capsys, tmp_path)
     assert code == 1 and report["failed"] == ["training/step"]  # one failure, not one per layer
     step, flow = (next(c for c in report["checks"] if c["name"] == name) for name in ("step", "gradient flow"))
     assert step["status"] == "failed"
-    assert "; the step was SKIPPED (no update): the reward is not finite (reward 'format' (reward.options.layers[0]): " \
-           "output row 0 is nan" in step["detail"]
+    assert (
+        "; the step was SKIPPED (no update): the reward is not finite (reward 'format' (reward.options.layers[0]): "
+        "output row 0 is nan" in step["detail"]
+    )
     assert (flow["status"], flow["detail"]) == ("skipped", "not checked: the step was skipped (see training/step)")
     assert not [c for c in report["checks"] if c["name"].startswith("grads/")]
 
@@ -212,13 +234,19 @@ def test_doctor_reports_a_step_skipped_for_a_nan_loss_once(
     from palestra.plugins.optimizers.grpo import GRPO
 
     loss = GRPO.loss
-    monkeypatch.setattr(GRPO, "loss", lambda self, policy, batch: (lambda out: (out[0] * math.nan, out[1]))(loss(self, policy, batch)))
+    monkeypatch.setattr(
+        GRPO, "loss", lambda self, policy, batch: (lambda out: (out[0] * math.nan, out[1]))(loss(self, policy, batch))
+    )
     code, report = doctor_json(capsys, tmp_path)
     assert code == 1 and report["failed"] == ["training/step"]
     step, flow = (next(c for c in report["checks"] if c["name"] == name) for name in ("step", "gradient flow"))
-    assert step["detail"].endswith("; the step was SKIPPED (no update): non-finite loss (nan) in pass 0, micro-batch 0 (4 rows)")
+    assert step["detail"].endswith(
+        "; the step was SKIPPED (no update): non-finite loss (nan) in pass 0, micro-batch 0 (4 rows)"
+    )
     assert step["data"]["skipped_because"] == "non-finite loss (nan) in pass 0, micro-batch 0 (4 rows)"
-    assert flow["status"] == "skipped" and flow["detail"].startswith("not checked: the step was skipped (see training/step); NaN/inf gradients in ")
+    assert flow["status"] == "skipped" and flow["detail"].startswith(
+        "not checked: the step was skipped (see training/step); NaN/inf gradients in "
+    )
 
 
 # ---- 7. plot on a metrics file with unreadable lines -----------------------------------------------------
@@ -226,8 +254,11 @@ def test_doctor_reports_a_step_skipped_for_a_nan_loss_once(
     ("tail", "why"),
     [
         ('{"step": 3, "x": 3}\n', "skipped 3 unreadable line(s) (first at line 2): 2 not JSON, 1 not a JSON object"),
-        ('{"step": 3, "x', "skipped 4 unreadable line(s) (first at line 2): 2 not JSON, 1 not a JSON object, "
-                          "the last line is cut short (the run stopped mid-write)"),
+        (
+            '{"step": 3, "x',
+            "skipped 4 unreadable line(s) (first at line 2): 2 not JSON, 1 not a JSON object, "
+            "the last line is cut short (the run stopped mid-write)",
+        ),
         ('{"step": 3, "x\n', "skipped 4 unreadable line(s) (first at line 2): 3 not JSON, 1 not a JSON object"),
     ],
     ids=["complete-last-line", "cut-short-last-line", "broken-last-line-with-newline"],
@@ -235,7 +266,9 @@ def test_doctor_reports_a_step_skipped_for_a_nan_loss_once(
 def test_plot_says_how_many_records_it_left_out_and_why(tmp_path: Path, tail: str, why: str) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "x": 1}\nnot json\n[1, 2]\n\n{"step": 2, "x": 2}\n{"step": 2.5, "x"\n' + tail)
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "x": 1}\nnot json\n[1, 2]\n\n{"step": 2, "x": 2}\n{"step": 2.5, "x"\n' + tail
+    )
     done = subprocess.run(
         [sys.executable, "-m", "palestra", "plot", str(run)], capture_output=True, text=True, timeout=300
     )

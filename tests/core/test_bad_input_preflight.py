@@ -93,14 +93,18 @@ def test_cuda_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch, device: s
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
     assert refused([f"train.device={device}"]) == (
-        f"train.device: {device!r} needs a CUDA GPU, but CUDA is not available (this torch is a CPU-only build); use auto or cpu"
+        f"train.device: {device!r} needs a CUDA GPU, but CUDA is not "
+        "available (this torch is a CPU-only build); use auto or cpu"
     )
 
 
 def test_cuda_index_beyond_the_visible_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert refused(["train.device=cuda:2"]) == "train.device: 'cuda:2' is not a visible GPU; this machine has 2 (cuda:0 to cuda:1)"
+    assert (
+        refused(["train.device=cuda:2"])
+        == "train.device: 'cuda:2' is not a visible GPU; this machine has 2 (cuda:0 to cuda:1)"
+    )
 
 
 def test_mps_without_mps_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,7 +122,8 @@ def test_the_default_config_passes_preflight() -> None:
 # ---- 2. kernels.backend and PALESTRA_KERNELS -----------------------------------------------------------
 def test_cuda_back_end_on_a_cpu_run_is_refused() -> None:
     assert refused(["train.device=cpu", "kernels.backend=cuda"]) == (
-        "kernels.backend: the cuda back end runs on CUDA tensors, but the run is on cpu (train.device='cpu'); use auto or torch"
+        "kernels.backend: the cuda back end runs on CUDA tensors, "
+        "but the run is on cpu (train.device='cpu'); use auto or torch"
     )
 
 
@@ -140,7 +145,9 @@ def test_triton_back_end_without_a_gpu_or_its_interpreter_is_refused(monkeypatch
 
 
 def test_cpp_back_end_whose_build_fails_is_refused_naming_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    error = build.KernelBuildError("advantages", "palestra_cpu build failed: cpu/advantages.cpp:3:1: error: expected ';'")
+    error = build.KernelBuildError(
+        "advantages", "palestra_cpu build failed: cpu/advantages.cpp:3:1: error: expected ';'"
+    )
 
     def broken_build() -> None:
         raise error
@@ -164,7 +171,10 @@ def test_auto_does_not_build_kernels_in_preflight(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("value", ["gpu", "fast"])
 def test_unknown_palestra_kernels_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("PALESTRA_KERNELS", value)
-    assert refused([]) == f"PALESTRA_KERNELS={value!r}: not a back end; use one of auto, torch, cpp, cuda, triton (or unset it)"
+    assert (
+        refused([])
+        == f"PALESTRA_KERNELS={value!r}: not a back end; use one of auto, torch, cpp, cuda, triton (or unset it)"
+    )
 
 
 def test_unavailable_palestra_kernels_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,10 +223,13 @@ def test_unwritable_output_dir_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_p
     try:
         if os.geteuid() == 0:  # permission bits do not stop root: answer as access(2) does for anyone else
             real_access = os.access
-            monkeypatch.setattr(preflight_module.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+            monkeypatch.setattr(
+                preflight_module.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode)
+            )
         assert refused([f"run.output_dir={locked}"]) == f"run.output_dir: '{locked}' is not writable by this user"
         assert refused([f"run.output_dir={locked}/runs"]) == (
-            f"run.output_dir: '{locked}/runs' is not writable by this user (its nearest existing folder '{locked}' is not writable)"
+            f"run.output_dir: '{locked}/runs' is not writable by this "
+            f"user (its nearest existing folder '{locked}' is not writable)"
         )
     finally:
         locked.chmod(0o755)
@@ -225,7 +238,9 @@ def test_unwritable_output_dir_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_run_folder_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "arithmetic").write_text("")
-    assert refused([]) == "run.name: the run folder 'runs/arithmetic' is a file; choose another run.name or move the file"
+    assert (
+        refused([]) == "run.name: the run folder 'runs/arithmetic' is a file; choose another run.name or move the file"
+    )
 
 
 def test_preflight_creates_no_folder(tmp_path: Path) -> None:
@@ -262,7 +277,9 @@ def test_a_batch_beyond_memory_is_refused_with_an_estimate(monkeypatch: pytest.M
 
 def test_a_batch_beyond_this_machines_memory_is_refused() -> None:
     msg = refused(["train.device=cpu", "train.batch_size=1000000000"])
-    assert msg.startswith("train.batch_size: 1000000000 tasks x train.group_size 8 = 8000000000 rows need at least 696.0 GB")
+    assert msg.startswith(
+        "train.batch_size: 1000000000 tasks x train.group_size 8 = 8000000000 rows need at least 696.0 GB"
+    )
     assert msg.endswith("free on cpu; lower train.batch_size or train.group_size")
 
 
@@ -270,7 +287,10 @@ def test_under_torchrun_the_estimate_is_per_rank(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(micro_batching, "free_memory_bytes", lambda device: 10**9)
     msg = refused(["train.device=cpu", "train.batch_size=400000000", "train.group_size=1", "train.max_new_tokens=1"])
-    assert msg.startswith("train.batch_size: 400000000 tasks x train.group_size 1 = 100000000 rows per rank (4 ranks) need at least 2.2 GB")
+    assert msg.startswith(
+        "train.batch_size: 400000000 tasks x train.group_size 1 "
+        "= 100000000 rows per rank (4 ranks) need at least 2.2 GB"
+    )
 
 
 # ---- 5. run.seed ---------------------------------------------------------------------------------------
@@ -293,15 +313,19 @@ def test_the_largest_seed_is_accepted_and_seeds_torch() -> None:
 
 
 # ---- 6. PALESTRA_CACHE_DIR -----------------------------------------------------------------------------
-def test_unwritable_cache_with_a_forced_native_back_end_is_refused(monkeypatch: pytest.MonkeyPatch, a_file: Path) -> None:
+def test_unwritable_cache_with_a_forced_native_back_end_is_refused(
+    monkeypatch: pytest.MonkeyPatch, a_file: Path
+) -> None:
     monkeypatch.setenv("PALESTRA_CACHE_DIR", str(a_file / "cache"))
     problem = f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory)"
     assert refused(["train.device=cpu", "kernels.backend=cpp"]) == (
-        f"{problem}; kernels.backend=cpp builds its kernels there (fix it, or use kernels.backend=auto to fall back to torch)"
+        f"{problem}; kernels.backend=cpp builds its kernels there "
+        "(fix it, or use kernels.backend=auto to fall back to torch)"
     )
     monkeypatch.setenv("PALESTRA_KERNELS", "cpp")
     assert refused(["train.device=cpu"]) == (
-        f"{problem}; PALESTRA_KERNELS=cpp builds its kernels there (fix it, or use kernels.backend=auto to fall back to torch)"
+        f"{problem}; PALESTRA_KERNELS=cpp builds its kernels there "
+        "(fix it, or use kernels.backend=auto to fall back to torch)"
     )
 
 
@@ -309,7 +333,8 @@ def test_unset_cache_variable_names_the_default_folder(monkeypatch: pytest.Monke
     monkeypatch.delenv("PALESTRA_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(a_file))
     assert build.cache_dir_problem() == (
-        f"the kernel cache '{a_file}/palestra/extensions' (set PALESTRA_CACHE_DIR to move it): not a writable folder (Not a directory)"
+        f"the kernel cache '{a_file}/palestra/extensions' (set "
+        "PALESTRA_CACHE_DIR to move it): not a writable folder (Not a directory)"
     )
 
 
@@ -321,7 +346,8 @@ def test_unwritable_cache_under_auto_warns_once_in_preflight(monkeypatch: pytest
         preflight(config)
         preflight(config)
     assert [str(w.message) for w in caught] == [
-        f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory); the native kernels fall back to torch"
+        f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder "
+        "(Not a directory); the native kernels fall back to torch"
     ]
     assert caught[0].category is dispatch.KernelFallbackWarning
     assert caught[0].category.__module__.startswith("palestra.")  # printed as one 'palestra: warning:' line
@@ -354,10 +380,14 @@ FALLBACK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("start", ["preflight", "first-call"])
-def test_unwritable_cache_under_auto_falls_back_to_torch_with_one_warning(tmp_path: Path, a_file: Path, start: str) -> None:
+def test_unwritable_cache_under_auto_falls_back_to_torch_with_one_warning(
+    tmp_path: Path, a_file: Path, start: str
+) -> None:
     env = {**os.environ, "PALESTRA_CACHE_DIR": str(a_file / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("PALESTRA_KERNELS", None)
-    done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, start], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT, start], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     problem = f"PALESTRA_CACHE_DIR='{a_file}/cache': not a writable folder (Not a directory)"
@@ -385,6 +415,6 @@ def test_palestra_train_refuses_up_front_with_exit_2_and_one_line(
     from palestra import cli
 
     assert cli.main(["train", override]) == 2
-    out, err = capsys.readouterr()
+    _out, err = capsys.readouterr()
     assert err.startswith(starts) and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()  # refused before anything was built or written

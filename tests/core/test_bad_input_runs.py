@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import check_reset, check_step
 from palestra.engine.watchdog import Interrupted, StopSignals
@@ -47,8 +48,12 @@ def write_config(folder: Path, raw: dict[str, Any]) -> Path:
 
 
 def clean_env(site: Path | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
+    }
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site) if site else "")
     return env
 
@@ -59,11 +64,20 @@ def _default_sigint() -> None:
 
 
 def start(args: list[str], cwd: Path, site: Path | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=cwd, env=clean_env(site),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    return subprocess.Popen(
+        [sys.executable, "-m", "palestra", "train", *args],
+        cwd=cwd,
+        env=clean_env(site),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
 
 
-def palestra(args: list[str], cwd: Path, site: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def palestra(
+    args: list[str], cwd: Path, site: Path | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     proc = start(args, cwd, site)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -217,9 +231,13 @@ def test_load_checkpoint_refuses_pickled_code_however_it_is_wrapped(tmp_path: Pa
     zipped, plain, nested = tmp_path / "zipped.pt", tmp_path / "plain.pkl", tmp_path / "nested.pt"
     torch.save({"step": 1, "format": ckpt.FORMAT, "config": RunsCode(marker)}, zipped)
     plain.write_bytes(pickle.dumps({"step": 1, "config": RunsCode(marker)}))
-    torch.save({"step": 1, "format": ckpt.FORMAT, "policy": {"w": torch.ones(2)}, "rng": [{"x": RunsCode(marker)}]}, nested)
+    torch.save(
+        {"step": 1, "format": ckpt.FORMAT, "policy": {"w": torch.ones(2)}, "rng": [{"x": RunsCode(marker)}]}, nested
+    )
     for path in (zipped, nested):
-        with pytest.raises(ckpt.CheckpointError, match=r"holds a pickled reference to posix\.system, which is code") as info:
+        with pytest.raises(
+            ckpt.CheckpointError, match=r"holds a pickled reference to posix\.system, which is code"
+        ) as info:
             ckpt.load_checkpoint(path)
         assert "\n" not in str(info.value)
     with pytest.raises(ckpt.CheckpointError, match=r"plain\.pkl is corrupt: truncated or not a torch\.save archive"):
@@ -233,7 +251,9 @@ def test_load_checkpoint_refuses_pickled_code_however_it_is_wrapped(tmp_path: Pa
 
 # ---- 2. runs do not clobber each other, and resume takes only its own run's checkpoints ---------------------
 @pytest.mark.slow
-def test_a_second_run_into_a_run_directory_is_refused_with_the_ways_out(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_a_second_run_into_a_run_directory_is_refused_with_the_ways_out(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     config = write_config(tmp_path, raw_config(name="base", steps=2, save_every=0))
     first = palestra(["--config", str(config)], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -263,7 +283,9 @@ def test_resume_takes_only_the_owning_runs_checkpoints(tmp_path: Path) -> None:
     # run A left a step-40 file; run B then used the directory and finished at step 20 (written later)
     ckpt.save_step_checkpoint(tmp_path, fake_state("A", 40), 40, keep=3)
     ckpt.save_checkpoint(fake_state("B", 20), tmp_path / ckpt.FINAL_NAME)
-    with pytest.warns(ckpt.CheckpointWarning, match=r"ignoring 1 checkpoint\(s\) of another run \(checkpoints/step-000040\.pt\)"):
+    with pytest.warns(
+        ckpt.CheckpointWarning, match=r"ignoring 1 checkpoint\(s\) of another run \(checkpoints/step-000040\.pt\)"
+    ):
         assert ckpt.find_resume_checkpoint(tmp_path).name == ckpt.FINAL_NAME  # B saved last: B owns it
     ckpt.write_run_file(tmp_path, "B", "r")
     with pytest.warns(ckpt.CheckpointWarning):
@@ -273,8 +295,10 @@ def test_resume_takes_only_the_owning_runs_checkpoints(tmp_path: Path) -> None:
     (tmp_path / ckpt.FINAL_NAME).write_bytes(b"")
     with pytest.warns(ckpt.CheckpointWarning), pytest.raises(ckpt.CheckpointError) as info:
         ckpt.resume_point(tmp_path)
-    assert str(info.value) == (f"--resume: {tmp_path} holds no intact checkpoint of run B: checkpoint "
-                               f"{tmp_path}/checkpoint.pt is corrupt: it is empty (0 bytes)")
+    assert str(info.value) == (
+        f"--resume: {tmp_path} holds no intact checkpoint of run B: checkpoint "
+        f"{tmp_path}/checkpoint.pt is corrupt: it is empty (0 bytes)"
+    )
 
 
 def test_a_pointer_or_link_out_of_the_run_is_not_followed(tmp_path: Path) -> None:
@@ -307,14 +331,18 @@ CORRUPT_REASON = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", list(CORRUPTIONS))
-def test_a_corrupt_checkpoint_is_named_and_resume_falls_back_to_the_newest_intact_one(damage: str, base_run: Path, tmp_path: Path) -> None:
+def test_a_corrupt_checkpoint_is_named_and_resume_falls_back_to_the_newest_intact_one(
+    damage: str, base_run: Path, tmp_path: Path
+) -> None:
     run_dir = copy_run(base_run, tmp_path)
     final = run_dir / ckpt.FINAL_NAME
     final.write_bytes(CORRUPTIONS[damage](final.read_bytes()))
     result = palestra(["--resume", str(run_dir)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     warning = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(warning) == 1 and warning[0].startswith(f"palestra: warning: checkpoint {final} {CORRUPT_REASON[damage]}")
+    assert len(warning) == 1 and warning[0].startswith(
+        f"palestra: warning: checkpoint {final} {CORRUPT_REASON[damage]}"
+    )
     assert warning[0].endswith(f"; resuming from {run_dir}/checkpoints/step-000002.pt (step 2)")
     assert f"resuming {run_dir} from {run_dir}/checkpoints/step-000002.pt at step 2 of 4" in result.stdout
     assert ckpt.load_checkpoint(final)["step"] == 4  # rewritten whole
@@ -334,7 +362,10 @@ def test_a_truncated_or_damaged_newest_step_file_falls_back_to_the_one_before(tm
     newest = tmp_path / "checkpoints" / "step-000003.pt"
     intact = newest.read_bytes()
     newest.write_bytes(intact[:-100])
-    with pytest.warns(ckpt.CheckpointWarning, match=r"step-000003\.pt is corrupt: truncated .*; resuming from .*step-000002\.pt \(step 2\)"):
+    with pytest.warns(
+        ckpt.CheckpointWarning,
+        match=r"step-000003\.pt is corrupt: truncated .*; resuming from .*step-000002\.pt \(step 2\)",
+    ):
         assert ckpt.resume_point(tmp_path).step == 2
     # a flipped byte inside a tensor: the archive opens, the checksum does not match
     data = bytearray(intact)
@@ -342,12 +373,16 @@ def test_a_truncated_or_damaged_newest_step_file_falls_back_to_the_one_before(tm
     assert at > 0
     data[at] ^= 0x01
     newest.write_bytes(bytes(data))
-    with pytest.warns(ckpt.CheckpointWarning, match=r"step-000003\.pt is corrupt: its content does not match the sha256"):
+    with pytest.warns(
+        ckpt.CheckpointWarning, match=r"step-000003\.pt is corrupt: its content does not match the sha256"
+    ):
         assert ckpt.resume_point(tmp_path).step == 2
 
 
 @pytest.mark.slow
-def test_weights_that_do_not_fit_their_config_name_the_parameter_and_the_config_key(base_run: Path, tmp_path: Path) -> None:
+def test_weights_that_do_not_fit_their_config_name_the_parameter_and_the_config_key(
+    base_run: Path, tmp_path: Path
+) -> None:
     run_dir = copy_run(base_run, tmp_path)
     shutil.rmtree(run_dir / "checkpoints")
     state = ckpt.load_checkpoint(run_dir / ckpt.FINAL_NAME)
@@ -358,7 +393,8 @@ def test_weights_that_do_not_fit_their_config_name_the_parameter_and_the_config_
     assert result.returncode == 2
     assert error_line(result) == (
         f"palestra train: error: checkpoint {run_dir}/checkpoint.pt does not fit the policy built from its config "
-        f"(policy 'tiny', policy.options): parameter 'embed.weight' is [{vocab}, 32] in the checkpoint and [{vocab}, 64] in the policy"
+        "(policy 'tiny', policy.options): parameter 'embed.weight' is "
+        f"[{vocab}, 32] in the checkpoint and [{vocab}, 64] in the policy"
     )
 
 
@@ -376,7 +412,9 @@ SIGNAL_STEPS = 40
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_same(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_same(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     raw = raw_config(steps=SIGNAL_STEPS, save_every=0, eval_every=10)  # no periodic checkpoints: the signal's alone
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -414,7 +452,9 @@ def test_sigint_saves_and_exits_130_with_one_line(tmp_path: Path, raw_config: Ca
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err
     saved = int(lines[0].split("saved step ")[1].split(";")[0])
-    assert lines[0] == f"palestra train: stopped by SIGINT: saved step {saved}; resume with palestra train --resume runs/r"
+    assert (
+        lines[0] == f"palestra train: stopped by SIGINT: saved step {saved}; resume with palestra train --resume runs/r"
+    )
     assert ckpt.load_checkpoint(run_dir / "checkpoints" / ckpt.step_name(saved))["step"] == saved
 
 
@@ -435,18 +475,25 @@ def second_signal_stops_at_once() -> None:
         while stop.received is None and time.monotonic() < deadline:
             time.sleep(0.001)  # the handler runs between bytecodes of the main thread
         assert stop.received == signal.SIGINT
-        with pytest.raises(Interrupted) as info:
+        # the second SIGINT's handler raises during the sleep that follows the kill
+        with pytest.raises(Interrupted) as info:  # noqa: PT012 - the kill and the wait are one act
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
     assert info.value.at_once and info.value.exit_code == 130
     info.value.saved_step, info.value.run_dir = 6, "runs/r"
-    assert info.value.line() == "stopped at once by a second SIGINT: nothing saved after step 6; resume with palestra train --resume runs/r"
+    assert (
+        info.value.line()
+        == "stopped at once by a second SIGINT: nothing saved after step 6; resume with palestra train --resume runs/r"
+    )
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_was_needed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], raw_config: Callable[..., dict[str, Any]]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raw_config: Callable[..., dict[str, Any]],
 ) -> None:
     from palestra import cli
 
@@ -491,7 +538,11 @@ def _workers(parent: int) -> dict[int, int]:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            env = dict(v.split("=", 1) for v in (Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")) if "=" in v)
+            env = dict(
+                v.split("=", 1)
+                for v in (Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"))
+                if "=" in v
+            )
         except OSError:
             continue
         if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
@@ -502,13 +553,30 @@ def _workers(parent: int) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
-def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     raw = raw_config(steps=SIGNAL_STEPS, save_every=0, batch_size=8)
     raw["distributed"] = {"strategy": "ddp", "backend": "gloo", "timeout_s": 60}
     write_config(tmp_path, raw)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "palestra", "train"]
-    proc = subprocess.Popen([*cmd, "--config", "config.yaml"], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "palestra",
+        "train",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "--config", "config.yaml"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run_dir = tmp_path / "runs" / "r"
     wait_for_lines(proc, run_dir / "log.jsonl", 3, timeout=180)
     ranks = _workers(proc.pid)
@@ -523,15 +591,24 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_at_the_same_step(t
     assert [p.name for _, p in ckpt.list_step_checkpoints(run_dir)] == [ckpt.step_name(saved)]
     state = ckpt.load_checkpoint(run_dir / "checkpoints" / ckpt.step_name(saved))
     assert state["step"] == saved and len(state["rng"]) == 2  # both ranks' states, gathered at that step
-    resumed = subprocess.run([*cmd, "--resume", "runs/r"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                             timeout=300, check=False)
+    resumed = subprocess.run(
+        [*cmd, "--resume", "runs/r"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ckpt.load_checkpoint(run_dir / ckpt.FINAL_NAME)["step"] == SIGNAL_STEPS
 
 
 # ---- 5. rewards near float32's limit, and environments that break the protocol ------------------------------------
 @pytest.mark.slow
-def test_rewards_near_the_float32_limit_never_log_or_print_nan(plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_rewards_near_the_float32_limit_never_log_or_print_nan(
+    plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     raw = raw_config(steps=3, save_every=0)
     raw["reward"] = {"name": "huge", "options": {"value": 3e38, "alternate": True}}
     result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, plugin_site)
@@ -547,7 +624,8 @@ def test_rewards_near_the_float32_limit_never_log_or_print_nan(plugin_site: Path
     assert "Traceback" not in aborted.stderr  # before it: each skipped step's warning (and the learner's log line)
     assert aborted.stderr.strip().splitlines()[-1] == (
         "palestra train: error: train.max_bad_steps: 2 steps in a row were skipped (non-finite reward, loss or "
-        "gradient); the last, step 2: the loss or the gradient norm is not finite")
+        "gradient); the last, step 2: the loss or the gradient norm is not finite"
+    )
 
 
 def test_the_held_out_table_never_prints_a_bare_nan() -> None:
@@ -564,8 +642,12 @@ def test_the_held_out_table_never_prints_a_bare_nan() -> None:
 
 BREAKS = {
     "reset_none": "reset returned None; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)",
-    "reset_strings": "reset returned str '4 + 3 =' at row 0; every row must be a palestra.types.Observation (none is finished yet)",
-    "reset_count": "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)",
+    "reset_strings": (
+        "reset returned str '4 + 3 =' at row 0; every row must be a palestra.types.Observation (none is finished yet)"
+    ),
+    "reset_count": (
+        "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (4 tasks x 1)"
+    ),
     "step_tuple": "step returned tuple; it must return a StepResult(observations, done, info) with one entry per row",
     "step_rows": "step returned 3 rows for a batch of 4; it must return one entry per row (None for a finished row)",
 }
@@ -573,7 +655,9 @@ BREAKS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("breaks", list(BREAKS))
-def test_an_environment_that_breaks_the_protocol_is_named_with_the_rule(breaks: str, plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_an_environment_that_breaks_the_protocol_is_named_with_the_rule(
+    breaks: str, plugin_site: Path, tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     raw = raw_config(steps=1, save_every=0)
     raw["environment"] = {"name": "rule_breaker", "options": {**raw["environment"]["options"], "breaks": breaks}}
     result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, plugin_site)
@@ -591,16 +675,23 @@ def test_an_environment_that_breaks_the_protocol_is_named_with_the_rule(breaks: 
 def test_the_protocol_rules_as_plain_functions() -> None:
     obs = [Observation(prompt="1 + 1 =") for _ in range(4)]
     assert check_reset(obs, 2, 2) is None
-    assert check_reset(obs[:3], 2, 2) == "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (2 tasks x 2)"
+    assert (
+        check_reset(obs[:3], 2, 2)
+        == "reset returned 3 observations; it must return a list of batch_size*group_size = 4 Observation (2 tasks x 2)"
+    )
     assert check_reset([*obs[:3], None], 2, 2).startswith("reset returned None at row 3; every row must be")
-    assert check_reset(obs, 4, 1, agents=("critic",)).startswith("reset returned an Observation for agent 'assistant', not one of agent_ids ('critic',), at row 0")
+    assert check_reset(obs, 4, 1, agents=("critic",)).startswith(
+        "reset returned an Observation for agent 'assistant', not one of agent_ids ('critic',), at row 0"
+    )
     done = StepResult([None] * 4, [True] * 4, [{}] * 4)
     assert check_step(done, ["a"] * 4, [True] * 4) is None
     again = StepResult([obs[0], None, None, None], [False, True, True, True], [{}] * 4)
     assert check_step(again, [None, "a", "a", "a"], [False, True, True, True]) == (
-        "step returned an observation for row 0, which had already finished; a finished row stays None")
+        "step returned an observation for row 0, which had already finished; a finished row stays None"
+    )
     assert check_step(StepResult([None] * 4, [True] * 4, [None] * 4), ["a"] * 4, [True] * 4) == (
-        "step returned info NoneType at row 0; info[i] must be a dict (agent id -> dict)")
+        "step returned info NoneType at row 0; info[i] must be a dict (agent id -> dict)"
+    )
 
 
 # ---- 6. --resume given a file, a shorter run, a damaged log ----------------------------------------------------
@@ -622,7 +713,9 @@ def test_resume_given_a_checkpoint_file_or_fewer_steps_is_one_line(base_run: Pat
 
 
 @pytest.mark.slow
-def test_a_metrics_file_shorter_than_the_checkpoint_recorded_is_cut_to_a_complete_line(base_run: Path, tmp_path: Path) -> None:
+def test_a_metrics_file_shorter_than_the_checkpoint_recorded_is_cut_to_a_complete_line(
+    base_run: Path, tmp_path: Path
+) -> None:
     run_dir = copy_run(base_run, tmp_path)
     (run_dir / ckpt.FINAL_NAME).unlink()  # resume from step 2, whose log size is the first 3 lines
     log = run_dir / "log.jsonl"
@@ -634,7 +727,8 @@ def test_a_metrics_file_shorter_than_the_checkpoint_recorded_is_cut_to_a_complet
     assert result.returncode == 0, result.stderr[-3000:]
     cut = len("".join(lines[:2]).encode())
     assert result.stderr.strip().splitlines() == [
-        f"palestra: warning: {log} is {cut + 10} bytes, shorter than the {recorded} recorded at step 2: lines were lost; "
+        f"palestra: warning: {log} is {cut + 10} bytes, shorter "
+        f"than the {recorded} recorded at step 2: lines were lost; "
         f"cut to its last complete line ({cut} bytes) before resuming"
     ]
     steps = [m["step"] for m in metric_lines(run_dir)]  # every line parses: nothing was appended after a fragment
@@ -648,7 +742,10 @@ def test_restore_logs_cuts_what_followed_the_checkpoint_at_a_line_boundary(tmp_p
         warnings.simplefilter("error")  # the ordinary case (a killed run wrote past its checkpoint) is silent
         ckpt.restore_logs(tmp_path, {"m.jsonl": 24}, 2)
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
-    with pytest.warns(ckpt.CheckpointWarning, match=r"ends mid-line at the 18 bytes recorded at step 2; cut to its last complete line \(12 bytes\)"):
+    with pytest.warns(
+        ckpt.CheckpointWarning,
+        match=r"ends mid-line at the 18 bytes recorded at step 2; cut to its last complete line \(12 bytes\)",
+    ):
         ckpt.restore_logs(tmp_path, {"m.jsonl": 18}, 2)
     assert log.read_text() == '{"step": 1}\n'
     with pytest.warns(ckpt.CheckpointWarning, match=r"gone\.jsonl is missing"):

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from palestra.checked_reward import RewardError
 from palestra.config import ConfigError, build_component
+from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs.arithmetic import ArithmeticEnv, evaluate
 from palestra.plugins.envs.relay import ATTRIBUTES, ROLES, RelayEnv
 from palestra.plugins.rewards.basic import extract_tag, parse_number
-from palestra.checked_reward import RewardError
-from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.types import Environment, Observation
 
 
@@ -87,8 +88,14 @@ def test_arithmetic_max_operand_caps_operands_and_the_prompt_stops_at_the_closin
         seen.update(int(t) for t in o.metadata["question"].split()[::2])
         assert o.stop == ["</answer>"]
     assert seen == {0, 1, 2}
-    assert {int(t) for o in ArithmeticEnv(difficulty=2, max_operand=12).reset(30, seed=0) for t in o.metadata["question"].split()[::2]} <= {10, 11, 12}
-    with pytest.raises(ConfigError, match=r"^arithmetic.max_operand: must be >= 10, the smallest 2-digit operand, got 5$"):
+    assert {
+        int(t)
+        for o in ArithmeticEnv(difficulty=2, max_operand=12).reset(30, seed=0)
+        for t in o.metadata["question"].split()[::2]
+    } <= {10, 11, 12}
+    with pytest.raises(
+        ConfigError, match=r"^arithmetic.max_operand: must be >= 10, the smallest 2-digit operand, got 5$"
+    ):
         ArithmeticEnv(difficulty=2, max_operand=5)
 
 
@@ -192,7 +199,10 @@ def test_relay_rows_finish_independently_of_actions_for_done_rows() -> None:
 def test_relay_options_are_checked() -> None:
     with pytest.raises(ConfigError) as info:
         env("relay", entities=1, documents=5)
-    assert str(info.value) == "environment.options.documents: must be at most entities * 4 = 4 (the facts there are), got 5"
+    assert (
+        str(info.value)
+        == "environment.options.documents: must be at most entities * 4 = 4 (the facts there are), got 5"
+    )
 
 
 # ---- rewards on hand-made completions ---------------------------------------------------------------
@@ -202,7 +212,14 @@ def score(r: Any, completions: list[str], metadata: list[dict[str, Any]] | None 
 
 
 def test_format_reward() -> None:
-    completions = ["<answer>42</answer>", "The sum is <answer> 7 </answer>.", "<answer></answer>", "<answer>1</answer><answer>2</answer>", "42", "<answer>4"]
+    completions = [
+        "<answer>42</answer>",
+        "The sum is <answer> 7 </answer>.",
+        "<answer></answer>",
+        "<answer>1</answer><answer>2</answer>",
+        "42",
+        "<answer>4",
+    ]
     assert score(reward("format"), completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert score(reward("format", pattern=r"^\d+$"), ["42", "x42", "7\n"]) == [1.0, 0.0, 1.0]
     assert score(reward("format", tag="final"), ["<final>x</final>", "<answer>x</answer>"]) == [1.0, 0.0]
@@ -232,6 +249,11 @@ def test_correctness_reward() -> None:
 
 def test_length_reward() -> None:
     words = reward("length", target=4)
-    assert score(words, ["one two three four", "one two", "one two three four five six seven eight", ""]) == [1.0, 0.5, 0.0, 0.0]
+    assert score(words, ["one two three four", "one two", "one two three four five six seven eight", ""]) == [
+        1.0,
+        0.5,
+        0.0,
+        0.0,
+    ]
     chars = reward("length", target=10, unit="chars", tolerance=2)
     assert score(chars, ["x" * 10, "x" * 12, "x" * 7, "x" * 17]) == pytest.approx([1.0, 1.0, 0.9, 0.5])

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from palestra.checked_reward import CheckedReward
 from palestra.config import (
     ComponentBuildError,
     Config,
@@ -23,9 +25,8 @@ from palestra.config import (
     validate_config,
 )
 from palestra.plugin_manager import get_registry
-from palestra.registry import Registration, Registry
-from palestra.checked_reward import CheckedReward
 from palestra.plugins.rewards.combinators import Layer, Layered
+from palestra.registry import Registration, Registry
 
 YAML_CONFIG = """
 run:
@@ -205,8 +206,14 @@ def test_bad_overrides_are_one_line_errors(override: str, expected: str) -> None
         ("train.lrr=1", "train.lrr: unknown key; did you mean 'lr'?"),
         ("run.sed=1", "run.sed: unknown key; did you mean 'seed'?"),
         ("environment.options.dificulty=2", "environment.options.dificulty: unknown key; did you mean 'difficulty'?"),
-        ("reward.options.layers[1].options.tolerence=1", "reward.options.layers[1].options.tolerence: unknown key; did you mean 'tolerance'?"),
-        ("reward.options.layers[0].unlock=1", "reward.options.layers[0].unlock: unknown key; did you mean 'unlock_at'?"),
+        (
+            "reward.options.layers[1].options.tolerence=1",
+            "reward.options.layers[1].options.tolerence: unknown key; did you mean 'tolerance'?",
+        ),
+        (
+            "reward.options.layers[0].unlock=1",
+            "reward.options.layers[0].unlock: unknown key; did you mean 'unlock_at'?",
+        ),
         ("environment.options.zzz=1", "environment.options.zzz: unknown key (known keys: difficulty, terms,"),
     ],
 )
@@ -233,26 +240,57 @@ def test_unknown_component_name_suggests_the_closest() -> None:
         ("train.lr=-1", "train.lr: must be > 0"),
         ("train.grad_accum=3", "train.grad_accum: must divide batch_size * group_size = 128"),
         ("train.dtype=fp8", "train.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'fp8'"),
-        ("kernels.backend=cdua", "kernels.backend: expected one of 'auto', 'torch', 'cpp', 'cuda', 'triton', got 'cdua'; did you mean 'cuda'?"),
+        (
+            "kernels.backend=cdua",
+            "kernels.backend: expected one of 'auto', 'torch', "
+            "'cpp', 'cuda', 'triton', got 'cdua'; did you mean 'cuda'?",
+        ),
         ("run.seed=[1]", "run.seed: expected an integer, got [1]"),
         ("train=3", "train: expected a mapping, got 3"),
         ("loggers={name: x}", "loggers: expected a list"),
         ("environment.options.difficulty=9", "environment.options.difficulty: must be <= 6, got 9"),
-        ("environment.options.operations=[+, /]", "environment.options.operations[1]: expected one of '+', '-', '*', got '/'"),
+        (
+            "environment.options.operations=[+, /]",
+            "environment.options.operations[1]: expected one of '+', '-', '*', got '/'",
+        ),
         ("environment.options.prompt=no question", "environment.options.prompt: must contain {question}"),
         ("reward.options.ema_decay=1", "reward.options.ema_decay: must be < 1, got 1.0"),
         ("reward.options.watch=last", "reward.options.watch: expected one of 'previous', 'first', got 'last'"),
         ("reward.options.layers=[]", "reward.options.layers: needs at least one reward"),
         ("reward.options.layers[1].unlock_at=high", "reward.options.layers[1].unlock_at: expected a float, got 'high'"),
-        ("reward.options.layers[0].unlock_at=0.5", "reward.options.layers[0].unlock_at: the first layer is always active"),
-        ("reward.options.layers[1].unlock_at=null", "reward.options.layers[1].unlock_at: required for every layer after the first"),
+        (
+            "reward.options.layers[0].unlock_at=0.5",
+            "reward.options.layers[0].unlock_at: the first layer is always active",
+        ),
+        (
+            "reward.options.layers[1].unlock_at=null",
+            "reward.options.layers[1].unlock_at: required for every layer after the first",
+        ),
         ("reward.options.layers[1].weight=heavy", "reward.options.layers[1].weight: expected a float, got 'heavy'"),
-        ("reward.options.layers[0].label=correctness", "reward.options.layers[1].label: layers[0] is also called 'correctness'"),
-        ("reward.options.layers[0].options.pattern=(", "reward.options.layers[0].options.pattern: invalid regular expression"),
-        ("reward.options.layers[1].options.tolerance=-1", "reward.options.layers[1].options.tolerance: must be >= 0, got -1.0"),
-        ("reward.options.layers[1].options.mode=fuzzy", "reward.options.layers[1].options.mode: expected one of 'auto', 'numeric', 'text'"),
-        ("reward.options.layers[1].options=[1]", "reward.options.layers[1].options: expected a mapping of options for reward 'correctness'"),
-        ("reward.options.layers[1].name=", "reward.options.layers[1].name: is empty; name a registered reward (correctness, factual, fluency, format,"),
+        (
+            "reward.options.layers[0].label=correctness",
+            "reward.options.layers[1].label: layers[0] is also called 'correctness'",
+        ),
+        (
+            "reward.options.layers[0].options.pattern=(",
+            "reward.options.layers[0].options.pattern: invalid regular expression",
+        ),
+        (
+            "reward.options.layers[1].options.tolerance=-1",
+            "reward.options.layers[1].options.tolerance: must be >= 0, got -1.0",
+        ),
+        (
+            "reward.options.layers[1].options.mode=fuzzy",
+            "reward.options.layers[1].options.mode: expected one of 'auto', 'numeric', 'text'",
+        ),
+        (
+            "reward.options.layers[1].options=[1]",
+            "reward.options.layers[1].options: expected a mapping of options for reward 'correctness'",
+        ),
+        (
+            "reward.options.layers[1].name=",
+            "reward.options.layers[1].name: is empty; name a registered reward (correctness, factual, fluency, format,",
+        ),
         ("reward.options.layers[1].name=[x]", "reward.options.layers[1].name: expected a string, got ['x']"),
     ],
 )
@@ -336,7 +374,9 @@ def test_build_component_from_plain_data_validates_with_the_given_path() -> None
 def test_a_failing_factory_names_the_path_and_the_plugin() -> None:
     registry = probe_registry()
     with pytest.raises(ComponentBuildError) as info:
-        build_component("environment", {"name": "probe", "options": {"scale": 13}}, path="environment", registry=registry)
+        build_component(
+            "environment", {"name": "probe", "options": {"scale": 13}}, path="environment", registry=registry
+        )
     msg = str(info.value)
     assert msg == (
         "environment: building environment 'probe' (plugin 'tests', distribution 'palestra-tests') failed: "
@@ -378,7 +418,12 @@ def test_config_show_prints_the_resolved_yaml(tmp_path: Path) -> None:
     expected = load_config(path, ["train.steps=9", "reward.options.components[0].weight=0.5"]).to_dict()
     assert shown == expected
     # Defaults are filled in, down to nested component options.
-    assert shown["reward"]["options"]["components"][1]["options"] == {"tag": "answer", "key": "answer", "mode": "auto", "tolerance": 0.5}
+    assert shown["reward"]["options"]["components"][1]["options"] == {
+        "tag": "answer",
+        "key": "answer",
+        "mode": "auto",
+        "tolerance": 0.5,
+    }
     assert shown["train"]["steps"] == 9 and shown["train"]["group_size"] == 4
 
 
@@ -395,4 +440,6 @@ def test_config_show_without_a_file_and_a_bad_override() -> None:
 def test_train_rejects_a_misspelt_component_before_building_anything() -> None:
     done = palestra("train", "reward.name=corectness")
     assert done.returncode == 2
-    assert done.stderr == "palestra train: error: reward.name: no reward named 'corectness'; did you mean 'correctness'?\n"
+    assert (
+        done.stderr == "palestra train: error: reward.name: no reward named 'corectness'; did you mean 'correctness'?\n"
+    )

@@ -26,11 +26,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "init_std": 0.02, "seed": None}
 
 
-def write_config(folder: Path, *, algorithm: str, options: dict[str, Any], train: dict[str, Any], strategy: str = "ddp",
-                 timeout_s: float = 60.0) -> Path:
+def write_config(
+    folder: Path,
+    *,
+    algorithm: str,
+    options: dict[str, Any],
+    train: dict[str, Any],
+    strategy: str = "ddp",
+    timeout_s: float = 60.0,
+) -> Path:
     raw = {
         "run": {"name": "dist", "seed": 0, "output_dir": str(folder / "runs")},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
+        "environment": {"name": "arithmetic",
+                        "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
         "reward": {"name": "format", "options": {"tag": "answer"}},
         "policy": {"name": "tiny", "options": TINY},
         "optimizer": {"name": algorithm, "options": options},
@@ -46,11 +54,28 @@ def write_config(folder: Path, *, algorithm: str, options: dict[str, Any], train
     return path
 
 
-def torchrun(args: list[str], cwd: Path, *, timeout: float = 120, sites: tuple[Path, ...] = (), **env_vars: str) -> subprocess.CompletedProcess[str]:
-    """``palestra train ARGS`` on 2 ranks; ``sites``: plugin install folders (the fault-injection plugin) on the path."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
+def torchrun(
+    args: list[str], cwd: Path, *, timeout: float = 120, sites: tuple[Path, ...] = (), **env_vars: str
+) -> subprocess.CompletedProcess[str]:
+    """``palestra train ARGS`` on 2 ranks; ``sites``: plugin install folders (the fault-injection plugin) to add."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
+    }
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(str(s) for s in sites), **env_vars)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "palestra", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "palestra",
+        "train",
+        *args,
+    ]
     return subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -106,8 +131,9 @@ def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path, sites: dict[s
     assert_learns(rewards(run_dir))
 
 
-
-def test_dapo_refill_draws_the_same_rounds_on_both_fsdp_ranks_and_learns(tmp_path: Path, sites: dict[str, Path]) -> None:
+def test_dapo_refill_draws_the_same_rounds_on_both_fsdp_ranks_and_learns(
+    tmp_path: Path, sites: dict[str, Path]
+) -> None:
     """Each rank counts its own tied groups, but both draw as many refills as the neediest one: a rank that sampled
     alone would run FSDP's gathers without the other and hang."""
     options = {"dynamic_sampling": True, "refill_rounds": 2, "entropy_coef": 0.0}
@@ -125,11 +151,16 @@ def test_dapo_refill_draws_the_same_rounds_on_both_fsdp_ranks_and_learns(tmp_pat
     assert len(rounds) == 20 and rounds[0] == 2.0 and rounds[-1] < 2.0 and set(rounds) <= {0.0, 1.0, 2.0}
     assert_learns(rewards(run_dir))
 
+
 def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path: Path, sites: dict[str, Path]) -> None:
     options = {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0}
-    config = write_config(tmp_path, algorithm="grpo", options=options, train={"steps": 50, "batch_size": 4}, timeout_s=20)
+    config = write_config(
+        tmp_path, algorithm="grpo", options=options, train={"steps": 50, "batch_size": 4}, timeout_s=20
+    )
     started = time.perf_counter()
-    out = torchrun(["--config", str(config)], tmp_path, timeout=90, sites=(sites["fault"],), PALESTRA_TEST_DIE_AT_STEP="2")
+    out = torchrun(
+        ["--config", str(config)], tmp_path, timeout=90, sites=(sites["fault"],), PALESTRA_TEST_DIE_AT_STEP="2"
+    )
     seconds = time.perf_counter() - started
     assert out.returncode != 0
     assert seconds < 60, f"the surviving rank took {seconds:.0f} s to go"
@@ -142,7 +173,9 @@ def test_an_uneven_split_of_the_batch_is_a_one_line_error() -> None:
 
     ctx = DistributedContext(rank=1, world_size=2, backend="gloo")  # what two torchrun ranks see
     assert ctx.local_batch_size(16) == 8
-    with pytest.raises(ValueError, match=r"^train\.batch_size: 3 tasks cannot be split evenly over 2 ranks; use a multiple of 2$"):
+    with pytest.raises(
+        ValueError, match=r"^train\.batch_size: 3 tasks cannot be split evenly over 2 ranks; use a multiple of 2$"
+    ):
         ctx.local_batch_size(3)
 
 

@@ -31,7 +31,7 @@ import re
 import shlex
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -44,8 +44,17 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 SEPARATORS = {"&&", "||", ";", "|"}
 CONFIG_SECTIONS = {
-    "run", "environment", "reward", "policy", "optimizer", "generator", "loggers", "train", "kernels",
-    "distributed", "agents",
+    "run",
+    "environment",
+    "reward",
+    "policy",
+    "optimizer",
+    "generator",
+    "loggers",
+    "train",
+    "kernels",
+    "distributed",
+    "agents",
 }
 # subcommands whose key=value arguments are config overrides
 OVERRIDE_COMMANDS = {"train", "doctor", "config"}
@@ -134,14 +143,19 @@ def palestra_args(tokens: list[str]) -> tuple[str, ...] | None:
     if tokens[0] == "torchrun":
         for i, token in enumerate(tokens[:-1]):
             if token == "-m" and tokens[i + 1] == "palestra":
-                return tuple(tokens[i + 2:])
+                return tuple(tokens[i + 2 :])
     return None
 
 
 def palestra_module(tokens: list[str]) -> str | None:
     while tokens and _ENV_ASSIGNMENT.match(tokens[0]):
         tokens = tokens[1:]
-    if len(tokens) >= 3 and tokens[0] in ("python", "python3") and tokens[1] == "-m" and tokens[2].startswith("palestra."):
+    if (
+        len(tokens) >= 3
+        and tokens[0] in ("python", "python3")
+        and tokens[1] == "-m"
+        and tokens[2].startswith("palestra.")
+    ):
         return tokens[2]
     return None
 
@@ -181,7 +195,7 @@ class Outcome:
     err: str
 
 
-@lru_cache(maxsize=None)
+@cache
 def call(args: tuple[str, ...]) -> Outcome:
     """``palestra *args`` in process, from the repository root, with its exit status and output."""
     from palestra.cli import main
@@ -203,7 +217,7 @@ def call(args: tuple[str, ...]) -> Outcome:
     return Outcome(int(code or 0), out.getvalue(), err.getvalue())
 
 
-@lru_cache(maxsize=None)
+@cache
 def parses(args: tuple[str, ...]) -> str | None:
     """None when the real parser accepts ``args``; else its error."""
     from palestra.cli import build_parser
@@ -228,8 +242,12 @@ def subcommands() -> set[str]:
 def is_placeholder(token: str) -> bool:
     bare = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
     return (
-        "<" in bare or ">" in bare or "..." in bare or "…" in bare
-        or bare.startswith("[") or (bare.endswith("]") and "=" not in bare)
+        "<" in bare
+        or ">" in bare
+        or "..." in bare
+        or "…" in bare
+        or bare.startswith("[")
+        or (bare.endswith("]") and "=" not in bare)
         or ("|" in bare and "=" not in bare)
         or bare in ("key=value",)
         or bool(_UPPER_PLACEHOLDER.match(bare))
@@ -301,7 +319,7 @@ def check_command(cmd: DocCommand) -> list[str]:
             problems.append(f"exited {shown.code}: {shown.err.strip()[-400:]}")
         return problems
     # a template, or train/doctor: its overrides on its config file when that is concrete, else on the default
-    rest = list(args[len(help_path):])
+    rest = list(args[len(help_path) :])
     config_file = None
     if sub == "config":
         config_file = rest[0] if rest and "=" not in rest[0] else None
@@ -353,7 +371,7 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def anchors(path: Path) -> frozenset[str]:
     found, seen, in_fence = set(), {}, False
     for line in path.read_text(encoding="utf-8").splitlines():

@@ -10,10 +10,10 @@ import json
 import textwrap
 import warnings
 
+import plugin_installs
 import pytest
 import yaml
 
-import plugin_installs
 from palestra import plugin_manager
 from palestra.config import ConfigError, build_component, load_config
 from palestra.plugin_manager import PalestraPluginWarning
@@ -53,7 +53,12 @@ def test_config_show_resolves_the_plugin_reward_and_environment_by_name(sites, t
     config = yaml.safe_load(result.stdout)
     assert config["reward"] == {
         "name": "keyword_coverage",
-        "options": {"keywords": ["apple", "river"], "metadata_key": "keywords", "case_sensitive": False, "whole_words": True},
+        "options": {
+            "keywords": ["apple", "river"],
+            "metadata_key": "keywords",
+            "case_sensitive": False,
+            "whole_words": True,
+        },
     }
     assert config["environment"]["name"] == "word_usage"
     assert config["environment"]["options"]["num_words"] == 3
@@ -65,7 +70,9 @@ SCRIPT = textwrap.dedent(
     import json
     from palestra.config import ConfigError, build_component, load_config
 
-    config = load_config(None, ["environment={name: word_usage, options: {num_words: 2}}", "reward={name: keyword_coverage}"])
+    config = load_config(
+        None, ["environment={name: word_usage, options: {num_words: 2}}", "reward={name: keyword_coverage}"]
+    )
     env = build_component("environment", config.environment, path="environment")
     reward = build_component("reward", config.reward, path="reward")
     observations = env.reset(2, seed=7, group_size=2)
@@ -83,7 +90,9 @@ SCRIPT = textwrap.dedent(
         missing = None
     except ConfigError as e:
         missing = str(e)
-    print(json.dumps({"words": words, "done": done.done, "scores": scores.tolist(), "dtype": str(scores.dtype), "missing": missing}))
+    print(json.dumps({
+        "words": words, "done": done.done, "scores": scores.tolist(), "dtype": str(scores.dtype), "missing": missing
+    }))
     """
 )
 
@@ -131,7 +140,9 @@ def test_reward_options_case_sensitivity_and_whole_words(example) -> None:
 
 
 def test_reward_errors_name_the_option_or_the_row(example) -> None:
-    with pytest.raises(ConfigError, match=r"^reward\.options: keyword_coverage: keywords\[1\] must be a non-empty string"):
+    with pytest.raises(
+        ConfigError, match=r"^reward\.options: keyword_coverage: keywords\[1\] must be a non-empty string"
+    ):
         load_config(None, ['reward={name: keyword_coverage, options: {keywords: [a, " "]}}'])
     with pytest.raises(ConfigError, match=r"reward\.options\.case_sensitive: expected a boolean"):
         load_config(None, ["reward={name: keyword_coverage, options: {case_sensitive: maybe}}"])
@@ -161,7 +172,9 @@ def test_environment_follows_the_environment_interface(example) -> None:
 
 
 def test_environment_options_are_checked(example) -> None:
-    with pytest.raises(ConfigError, match=r"^environment\.options: word_usage: vocabulary has 2 distinct words, fewer than num_words=3"):
+    with pytest.raises(
+        ConfigError, match=r"^environment\.options: word_usage: vocabulary has 2 distinct words, fewer than num_words=3"
+    ):
         load_config(None, ["environment={name: word_usage, options: {num_words: 3, vocabulary: [a, b, a]}}"])
 
 

@@ -1,4 +1,5 @@
-"""``palestra export`` and ``train.export``: a trained run written as a transformers folder, loaded back with equal logits.
+"""``palestra export`` and ``train.export``: a trained run written as a transformers folder, loaded back with equal
+logits.
 
 Runs are trained here for two steps (tiny batches), exported through the command, and reloaded with
 ``transformers.AutoModelForCausalLM``: the tiny policy as the ``LlamaForCausalLM`` it maps onto, an ``hf`` policy
@@ -14,6 +15,7 @@ from pathlib import Path
 import plugin_installs
 import pytest
 import torch
+
 from palestra import cli
 from palestra.config import load_config
 from palestra.engine import checkpoint as ckpt
@@ -26,13 +28,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ERROR = "palestra export: error: "
-SMALL = ["loggers=[]", "train.steps=2", "train.batch_size=2", "train.group_size=2", "train.eval_size=2",
-         "train.max_new_tokens=4", "train.save_every=1"]
+SMALL = [
+    "loggers=[]",
+    "train.steps=2",
+    "train.batch_size=2",
+    "train.group_size=2",
+    "train.eval_size=2",
+    "train.max_new_tokens=4",
+    "train.save_every=1",
+]
 TEXT = "3 + 4 =<answer>7</answer> 12 + 30 =<answer>42</answer>"
 
 
 def train_run(tmp: Path, name: str, *overrides: str) -> Trainer:
-    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end); the trainer after it."""
+    """A two-step run in ``tmp/name`` (a step checkpoint after step 1, checkpoint.pt at the end), and its trainer."""
     config = load_config(None, [*SMALL, f"run.output_dir={tmp}", f"run.name={name}", *overrides])
     trainer = Trainer(config)
     trainer.train()
@@ -65,6 +74,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
+
     return tiny_hf.build_llama(tmp_path_factory.mktemp("llama"))
 
 
@@ -74,7 +84,9 @@ def test_tiny_exports_as_a_llama_with_the_trained_logits(tiny_run: Trainer, tmp_
     assert export(tiny_run.run_dir, "--out", out) == 0
     line = capsys.readouterr().out.strip()
     assert line == f"exported {tiny_run.run_dir} step 2 (policy tiny) to {out}: LlamaForCausalLM"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "palestra_export.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "palestra_export.json"} <= {
+        p.name for p in out.iterdir()
+    }
     assert not list(tmp_path.glob(".*"))  # the temporary sibling is gone
     record = json.loads((out / "palestra_export.json").read_text())
     assert record["step"] == 2 and record["policy"] == "tiny" and record["adapters"] is False
@@ -152,11 +164,14 @@ def test_force_replaces_a_folder_and_no_adapters_gets_a_note(tiny_run: Trainer, 
     (out / "old.txt").write_text("previous")
     assert export(tiny_run.run_dir, "--out", out) == 2
     assert capsys.readouterr().err.strip() == (
-        f"{ERROR}--out: {str(out)!r} already holds files; name a new folder, or pass --force to replace it")
+        f"{ERROR}--out: {str(out)!r} already holds files; name a new folder, or pass --force to replace it"
+    )
     assert export(tiny_run.run_dir, "--out", out, "--force", "--no-merge-lora") == 0
     err = capsys.readouterr().err.strip()
-    assert err == ("palestra export: note: policy 'tiny' has no LoRA adapters, so --no-merge-lora changes nothing; "
-                   "the full model is written")
+    assert err == (
+        "palestra export: note: policy 'tiny' has no LoRA adapters, so --no-merge-lora changes nothing; "
+        "the full model is written"
+    )
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing left beside it
 
@@ -172,16 +187,36 @@ def test_bad_input_is_one_line(tiny_run: Trainer, tmp_path: Path, capsys, monkey
     (tmp_path / "a_file").write_text("x")
     cases = {
         (empty, "--out", "o"): f"RUN_DIR: {str(empty)!r} holds no checkpoint (checkpoint.pt or checkpoints/step-*.pt); "
-                               "a run writes checkpoint.pt when training ends and step files every train.save_every steps",
+        "a run writes checkpoint.pt when training ends and step files every train.save_every steps",
         (tmp_path / "missing", "--out", "o"): f"RUN_DIR: run directory {str(tmp_path / 'missing')!r} does not exist",
-        (run_dir / "checkpoint.pt", "--out", "o"):
-            f"RUN_DIR: {str(run_dir / 'checkpoint.pt')!r} is a file; pass the run directory, and the file as --checkpoint",
-        (no_config, "--out", "o"): f"checkpoint {no_config / 'checkpoint.pt'} holds no config; it was not written by palestra train",
+        (
+            run_dir / "checkpoint.pt",
+            "--out",
+            "o",
+        ): (
+            f"RUN_DIR: {str(run_dir / 'checkpoint.pt')!r} is a file;"
+            " pass the run directory, and the file as --checkpoint"
+        ),
+        (
+            no_config,
+            "--out",
+            "o",
+        ): f"checkpoint {no_config / 'checkpoint.pt'} holds no config; it was not written by palestra train",
         (run_dir, "--out", run_dir): f"--out: {str(run_dir)!r} is the run directory; name a folder of its own",
-        (run_dir, "--out", run_dir.parent): f"--out: {str(run_dir.parent)!r} holds the run directory; name a folder of its own",
+        (
+            run_dir,
+            "--out",
+            run_dir.parent,
+        ): f"--out: {str(run_dir.parent)!r} holds the run directory; name a folder of its own",
         (run_dir, "--out", "."): "--out: '.' is the working directory; name a folder of its own",
         (run_dir, "--out", "a_file"): "--out: 'a_file' is a file; name a folder to create",
-        (run_dir, "--out", "o", "--checkpoint", "nope.pt"): f"--checkpoint: 'nope.pt' is not a file (looked as given and inside {run_dir})",
+        (
+            run_dir,
+            "--out",
+            "o",
+            "--checkpoint",
+            "nope.pt",
+        ): f"--checkpoint: 'nope.pt' is not a file (looked as given and inside {run_dir})",
     }
     for args, message in cases.items():
         assert export(*args) == 2, args
@@ -192,14 +227,17 @@ def test_bad_input_is_one_line(tiny_run: Trainer, tmp_path: Path, capsys, monkey
     assert export(corrupt, "--out", "o") == 2
     assert capsys.readouterr().err.splitlines() == [
         f"{ERROR}RUN_DIR: {corrupt} holds no intact checkpoint: checkpoint {corrupt / 'checkpoint.pt'} is corrupt: "
-        "truncated or not a torch.save archive (16 bytes, no zip directory at its end)"]
+        "truncated or not a torch.save archive (16 bytes, no zip directory at its end)"
+    ]
     assert not (tmp_path / "o").exists()
 
 
 def test_train_export_keys_are_checked(tmp_path: Path, capsys) -> None:
     assert cli.main(["config", "show", "train.export_dir=x"]) == 2
-    assert capsys.readouterr().err.strip() == ("palestra config: error: train.export_dir: is 'x' but train.export is "
-                                               "false, so nothing would be written there; set train.export=true (or drop export_dir)")
+    assert capsys.readouterr().err.strip() == (
+        "palestra config: error: train.export_dir: is 'x' but train.export is "
+        "false, so nothing would be written there; set train.export=true (or drop export_dir)"
+    )
     assert cli.main(["config", "show", "train.export=true", "train.export_dir= "]) == 2
     assert "train.export_dir: must name a folder" in capsys.readouterr().err
     taken = tmp_path / "taken"
@@ -209,7 +247,8 @@ def test_train_export_keys_are_checked(tmp_path: Path, capsys) -> None:
     assert cli.main(args) == 2  # before anything is built or trained
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"palestra train: error: train.export_dir: {str(taken)!r} already holds files; set train.export_dir to a new "
-        "folder, or delete that one")
+        "folder, or delete that one"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -218,7 +257,8 @@ def test_train_export_keys_are_checked(tmp_path: Path, capsys) -> None:
 def test_train_export_writes_the_folder_when_training_ends(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     result = plugin_installs.run_palestra(
-        ["train", *SMALL, f"run.output_dir={out}", "train.export=true"], [], tmp_path, OMP_NUM_THREADS="1")
+        ["train", *SMALL, f"run.output_dir={out}", "train.export=true"], [], tmp_path, OMP_NUM_THREADS="1"
+    )
     assert result.returncode == 0, result.stderr
     run_dir = out / "arithmetic"
     folder = run_dir / "export"

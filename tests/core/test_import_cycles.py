@@ -138,8 +138,11 @@ def test_every_known_exception_is_still_an_import_in_the_code() -> None:
     present = set()
     for path in CORE.rglob("*.py"):
         module = module_name(path, CORE)
-        present |= {(module, n) for n in imported(ast.parse(path.read_text(encoding="utf-8")), module, path.name == "__init__.py")}
-    assert KNOWN <= present, f"no longer imported, remove from KNOWN: {sorted(KNOWN - present)}"
+        present |= {
+            (module, n)
+            for n in imported(ast.parse(path.read_text(encoding="utf-8")), module, path.name == "__init__.py")
+        }
+    assert present >= KNOWN, f"no longer imported, remove from KNOWN: {sorted(KNOWN - present)}"
 
 
 def test_the_checker_finds_a_cycle_through_a_deferred_import_and_ignores_type_checking_ones(tmp_path: Path) -> None:
@@ -148,7 +151,7 @@ def test_the_checker_finds_a_cycle_through_a_deferred_import_and_ignores_type_ch
         "a/x.py": "from palestra.b.y import thing\n",
         "b/__init__.py": "",
         "b/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from palestra.c import z\n"
-                  "def later():\n    from palestra.a import x\n",
+        "def later():\n    from palestra.a import x\n",
         "c/__init__.py": "",
         "c/z.py": "import palestra.b.y\n",
     }.items():

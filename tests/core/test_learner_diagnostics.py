@@ -9,8 +9,13 @@ import math
 
 import pytest
 import torch
-
-from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # the algorithm tests' toy policy (tests/plugins)
+from algo_helpers import (  # the algorithm tests' toy policy (tests/plugins)
+    ToyPolicy,
+    learner_for,
+    make_batch,
+    reference_logprobs,
+    train_config,
+)
 
 from palestra.plugin_manager import get_registry
 from palestra.rl.stats import group_tie_stats
@@ -35,16 +40,21 @@ def pstd(values: list[float]) -> float:
 def test_group_tie_stats_by_hand():
     rewards = torch.tensor([2.0, 0.3, 2.0, 0.3001, 2.0, 7.0, 1.0, 0.0])
     groups = torch.tensor([4, 9, 4, 9, 4, 5, 6, 6])  # 4: exact tie, 9: near tie (rows not consecutive), 5: one row
-    adv = torch.tensor([[0.0, 0.0], [0.5, -1.5], [0.0, 0.0], [-2.0, 3.0], [0.0, 0.0], [1.0, 1.0], [4.0, 4.0], [-4.0, -4.0]])
+    adv = torch.tensor(
+        [[0.0, 0.0], [0.5, -1.5], [0.0, 0.0], [-2.0, 3.0], [0.0, 0.0], [1.0, 1.0], [4.0, 4.0], [-4.0, -4.0]]
+    )
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [0, 1], [1, 1], [1, 1], [1, 1]], dtype=torch.bool)
     stats = group_tie_stats(rewards, groups, adv, mask, tie_std=0.01)
     assert pstd([0.3, 0.3001]) < 0.01 and pstd([1.0, 0.0]) > 0.01
     # groups of two rows or more: 4, 9, 6; tied: 4 and 9; near: 9, whose valid tokens are |0.5|, |-2|, |3|
-    assert stats == pytest.approx({"tied_group_frac": 2 / 3, "near_tie_group_frac": 1 / 3,
-                                   "adv_abs_mean_near_tie": (0.5 + 2.0 + 3.0) / 3})
+    assert stats == pytest.approx(
+        {"tied_group_frac": 2 / 3, "near_tie_group_frac": 1 / 3, "adv_abs_mean_near_tie": (0.5 + 2.0 + 3.0) / 3}
+    )
     # per-row advantages count once per valid token
     row_adv = torch.tensor([0.0, 1.0, 0.0, -3.0, 0.0, 1.0, 4.0, -4.0])
-    assert group_tie_stats(rewards, groups, row_adv, mask, 0.01)["adv_abs_mean_near_tie"] == pytest.approx((1 + 3 + 3) / 3)
+    assert group_tie_stats(rewards, groups, row_adv, mask, 0.01)["adv_abs_mean_near_tie"] == pytest.approx(
+        (1 + 3 + 3) / 3
+    )
     assert group_tie_stats(rewards, torch.arange(8), row_adv, mask, 0.01) == {}  # no group of two rows
 
 
@@ -97,7 +107,9 @@ def test_the_probe_matches_float64_and_leaves_the_update_unchanged():
     shifts = torch.randn(len(REWARDS), 5, generator=torch.Generator().manual_seed(3)) * 0.4
     batch = make_batch(REWARDS, GROUPS, lengths=LENGTHS)
     batch.behaviour_logprobs = torch.where(
-        batch.completion_mask, reference_logprobs(policy, batch) + shifts.double(), torch.zeros(batch.completion_mask.shape, dtype=torch.float64)
+        batch.completion_mask,
+        reference_logprobs(policy, batch) + shifts.double(),
+        torch.zeros(batch.completion_mask.shape, dtype=torch.float64),
     ).float()
     twin = copy.deepcopy(policy)
     algo = grpo(entropy_coef=coef, clip_eps=0.2, diagnostics_every=1)

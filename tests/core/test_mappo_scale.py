@@ -13,27 +13,35 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-import plugin_installs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "customer_service_mappo.yaml"
 SMALL = [
-    "train.batch_size=4", "train.group_size=2", "train.eval_size=4", "train.device=cpu", "train.log_every=1",
+    "train.batch_size=4",
+    "train.group_size=2",
+    "train.eval_size=4",
+    "train.device=cpu",
+    "train.log_every=1",
     "kernels.backend=torch",  # no native build in the subprocesses: the eager kernels
     "loggers=[{name: jsonl, options: {filename: log.jsonl}}]",  # not metrics.jsonl: no plot at the end
-    "distributed.backend=gloo", "run.output_dir=runs",
+    "distributed.backend=gloo",
+    "run.output_dir=runs",
 ]
 
 
 def clean_env(sites: list[Path], **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
+    }
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(str(s) for s in sites), **extra)
     return env
 
@@ -44,7 +52,9 @@ def torchrun(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 3
 
 
 def test_per_agent_moments_are_merged_over_ranks_as_one_process_would(tmp_path: Path) -> None:
-    out = torchrun([str(REPO / "tests" / "core" / "scripts" / "mappo_moments.py"), str(tmp_path / "out")], tmp_path, clean_env([]))
+    out = torchrun(
+        [str(REPO / "tests" / "core" / "scripts" / "mappo_moments.py"), str(tmp_path / "out")], tmp_path, clean_env([])
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
@@ -57,7 +67,7 @@ def test_per_agent_moments_are_merged_over_ranks_as_one_process_would(tmp_path: 
             continue
         got = r0["distributed"][key]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=1e-9, msg=key)
-    counts = [v for k, v in single.items() if k == "reward.count"][0]
+    counts = single["reward.count"]
     assert sum(counts) == 3 * 12  # every rank's rows counted once
 
 
@@ -84,8 +94,20 @@ def test_mappo_trains_on_two_ranks_with_identical_weights_critics_and_statistics
     tmp_path: Path, sites: dict[str, Path], strategy: str
 ) -> None:
     env = clean_env([sites["fault"]], PALESTRA_TEST_DUMP_PARAMS=str(tmp_path / "dump"))
-    out = torchrun(["-m", "palestra", "train", "--config", str(EXAMPLE), *SMALL, "train.steps=4",
-                    f"distributed.strategy={strategy}"], tmp_path, env)
+    out = torchrun(
+        [
+            "-m",
+            "palestra",
+            "train",
+            "--config",
+            str(EXAMPLE),
+            *SMALL,
+            "train.steps=4",
+            f"distributed.strategy={strategy}",
+        ],
+        tmp_path,
+        env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"gloo, {strategy}" in out.stdout
     a, b = dump(tmp_path / "dump")
@@ -93,7 +115,9 @@ def test_mappo_trains_on_two_ranks_with_identical_weights_critics_and_statistics
     saved = torch.load(tmp_path / "runs" / "customer_service_mappo" / "checkpoint.pt", weights_only=False)
     assert all(torch.equal(saved["policy"][k], a["params"][k]) for k in a["params"])  # a full, unsharded state
     assert {"shared", "critic"} < set(saved["optimizer"]["optimizers"])  # per-agent optimisers, gathered in full
-    lines = [json.loads(x) for x in (tmp_path / "runs" / "customer_service_mappo" / "log.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (tmp_path / "runs" / "customer_service_mappo" / "log.jsonl").read_text().splitlines()
+    ]
     steps = [m for m in lines if "train/skipped" in m]
     assert len(steps) == 4 and all(m["train/skipped"] == 0.0 for m in steps)
     assert all(m["grad/norm/critic"] > 0 for m in steps)
@@ -104,11 +128,26 @@ def test_mappo_killed_mid_run_resumes_bitwise(tmp_path: Path) -> None:
     env = clean_env([])
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    whole = subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=tmp_path / "a", env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=tmp_path / "b", env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_a, run_b = tmp_path / "a" / "runs" / "customer_service_mappo", tmp_path / "b" / "runs" / "customer_service_mappo"
+    whole = subprocess.Popen(
+        [sys.executable, "-m", "palestra", "train", *args],
+        cwd=tmp_path / "a",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "palestra", "train", *args],
+        cwd=tmp_path / "b",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    run_a, run_b = (
+        tmp_path / "a" / "runs" / "customer_service_mappo",
+        tmp_path / "b" / "runs" / "customer_service_mappo",
+    )
     wanted = run_b / "checkpoints" / "step-000004.pt"
     deadline = time.monotonic() + 240
     while not wanted.exists() and killed.poll() is None and time.monotonic() < deadline:
@@ -119,8 +158,15 @@ def test_mappo_killed_mid_run_resumes_bitwise(tmp_path: Path) -> None:
     assert not (run_b / "checkpoint.pt").exists(), "the run finished before the kill; nothing was resumed"
     _, err = whole.communicate(timeout=300)
     assert whole.returncode == 0, err[-3000:]
-    resumed = subprocess.run([sys.executable, "-m", "palestra", "train", "--resume", str(run_b), "train.steps=6"],
-                             cwd=tmp_path / "b", env=env, capture_output=True, text=True, timeout=300, check=False)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "palestra", "train", "--resume", str(run_b), "train.steps=6"],
+        cwd=tmp_path / "b",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = torch.load(run_a / "checkpoint.pt", weights_only=False)
     b = torch.load(run_b / "checkpoint.pt", weights_only=False)
@@ -131,9 +177,19 @@ def test_mappo_killed_mid_run_resumes_bitwise(tmp_path: Path) -> None:
     assert ea["counters"] == eb["counters"]
     for name, state in a["optimizer"]["optimizers"].items():
         other = b["optimizer"]["optimizers"][name]["state"]
-        assert all(torch.equal(v, other[i][k]) for i, s in state["state"].items() for k, v in s.items() if isinstance(v, torch.Tensor))
-    strip = lambda p: [{k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("perf/")}  # noqa: E731
-                       for x in (p / "log.jsonl").read_text().splitlines()]
+        assert all(
+            torch.equal(v, other[i][k])
+            for i, s in state["state"].items()
+            for k, v in s.items()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def strip(p: Path) -> list[dict[str, Any]]:
+        return [
+            {k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("perf/")}
+            for x in (p / "log.jsonl").read_text().splitlines()
+        ]
+
     assert strip(run_a) == strip(run_b)
 
 
@@ -155,9 +211,13 @@ def test_mappo_under_fsdp2_resumes_bitwise_from_a_mid_run_checkpoint(tmp_path: P
     out = torchrun(base, tmp_path / "straight", env)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "saved" / "runs" / "customer_service_mappo"
-    straight = torch.load(tmp_path / "straight" / "runs" / "customer_service_mappo" / "checkpoint.pt", weights_only=True)
+    straight = torch.load(
+        tmp_path / "straight" / "runs" / "customer_service_mappo" / "checkpoint.pt", weights_only=True
+    )
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert all(torch.equal(saved["policy"][k], straight["policy"][k]) for k in straight["policy"]), "saving changed the run"
+    assert all(torch.equal(saved["policy"][k], straight["policy"][k]) for k in straight["policy"]), (
+        "saving changed the run"
+    )
     (run / "checkpoint.pt").unlink()  # as if the run had died after its step-3 checkpoint
     out = torchrun(["-m", "palestra", "train", "--resume", str(run), "train.steps=6"], tmp_path / "saved", env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -166,5 +226,7 @@ def test_mappo_under_fsdp2_resumes_bitwise_from_a_mid_run_checkpoint(tmp_path: P
     assert all(torch.equal(resumed["policy"][k], straight["policy"][k]) for k in straight["policy"]), "weights differ"
     ea, eb = resumed["optimizer"]["extra"], straight["optimizer"]["extra"]
     assert all(torch.equal(ea["critic"][k], eb["critic"][k]) for k in eb["critic"]), "critics differ"
-    assert len(ea["shared_accum"]) > 0 and all(torch.equal(a, b) for a, b in zip(ea["shared_accum"], eb["shared_accum"]))
+    assert len(ea["shared_accum"]) > 0 and all(
+        torch.equal(a, b) for a, b in zip(ea["shared_accum"], eb["shared_accum"])
+    )
     assert ea["counters"] == eb["counters"]

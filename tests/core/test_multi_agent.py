@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from palestra.config import AgentsConfig, ConfigError, load_config
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner
+from palestra.engine.rollout import collect, generate_by_agent
+from palestra.engine.trainer import Trainer
 from palestra.multiagent.credit import credit_plan, reward_rows
 from palestra.multiagent.sharing import MultiAgentPolicy, wrap_policy
 from palestra.plugin_manager import get_registry
@@ -21,8 +24,6 @@ from palestra.plugins.envs.customer_service import (
     tiny_policy_options,
 )
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect, generate_by_agent
-from palestra.engine.trainer import Trainer
 from palestra.types import Observation, RewardOutput, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,8 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "customer_service_mappo.yaml")
 AGENTS = ("intent", "retrieval", "response")
 SMALL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "max_len": 128}
-
-
 
 
 def tiny(seed: int = 0, **extra) -> TinyTransformerPolicy:
@@ -99,14 +98,17 @@ def test_unknown_layer_name_is_an_error_naming_it_with_its_key_path_and_the_vali
     with pytest.raises(ConfigError) as e:
         MultiAgentPolicy(tiny(), sharing(["embedding", "encodr"], ["decoder"]), AGENTS)
     assert str(e.value) == (
-        "agents.shared_layers[1]: unknown layer group 'encodr'; the policy's layer groups are embedding, encoder, decoder"
+        "agents.shared_layers[1]: unknown layer group 'encodr'; "
+        "the policy's layer groups are embedding, encoder, decoder"
     )
     with pytest.raises(ConfigError, match=r"^agents\.independent_layers\[0\]: unknown layer group 'head'"):
         MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["head"]), AGENTS)
 
 
 def test_a_group_in_both_lists_or_in_neither_is_a_one_line_error() -> None:
-    with pytest.raises(ConfigError, match=r"^agents: layer group\(s\) decoder are in both shared_layers and independent_layers$"):
+    with pytest.raises(
+        ConfigError, match=r"^agents: layer group\(s\) decoder are in both shared_layers and independent_layers$"
+    ):
         MultiAgentPolicy(tiny(), sharing(["embedding", "encoder", "decoder"], ["decoder"]), AGENTS)
     with pytest.raises(ConfigError, match=r"^agents: layer group\(s\) encoder are in neither") as e:
         MultiAgentPolicy(tiny(), sharing(["embedding"], ["decoder"]), AGENTS)
@@ -125,7 +127,9 @@ def test_an_optimizer_that_cannot_route_rows_is_refused_for_independent_layers()
         routes_agents = False
         shared_update_window = False
 
-    with pytest.raises(ConfigError, match=r"^agents\.independent_layers: optimizer 'plain' scores rows without agent ids"):
+    with pytest.raises(
+        ConfigError, match=r"^agents\.independent_layers: optimizer 'plain' scores rows without agent ids"
+    ):
         wrap_policy(tiny(), sharing(["embedding", "encoder"], ["decoder"]), CustomerServiceEnv(), Plain())
     every = wrap_policy(tiny(), sharing(["embedding", "encoder", "decoder"], []), CustomerServiceEnv(), Plain())
     assert isinstance(every, MultiAgentPolicy)  # all shared: any view scores every row alike
@@ -134,7 +138,9 @@ def test_an_optimizer_that_cannot_route_rows_is_refused_for_independent_layers()
 def test_update_frequency_needs_an_optimiser_that_honours_it() -> None:
     grpo = get_registry().get("optimizer", "grpo").factory()
     windowed = AgentsConfig(shared_layers=["embedding", "encoder"], independent_layers=["decoder"], update_frequency=10)
-    with pytest.raises(ConfigError, match=r"^agents\.update_frequency: optimizer 'grpo' steps every parameter every update"):
+    with pytest.raises(
+        ConfigError, match=r"^agents\.update_frequency: optimizer 'grpo' steps every parameter every update"
+    ):
         wrap_policy(tiny(), windowed, CustomerServiceEnv(), grpo)
     mappo = get_registry().get("optimizer", "mappo").factory()
     assert isinstance(wrap_policy(tiny(), windowed, CustomerServiceEnv(), mappo), MultiAgentPolicy)
@@ -142,9 +148,19 @@ def test_update_frequency_needs_an_optimiser_that_honours_it() -> None:
 
 def test_the_built_in_optimisers_train_each_agents_own_layers(tmp_path) -> None:
     # GRPO (the Algorithm base) routes every row to its agent's parameters: each agent's own decoder moves.
-    config = load_config(EXAMPLE, ["optimizer.name=grpo", "optimizer.options={}", "loggers=[]", "train.steps=1",
-                                   "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4",
-                                   "agents.update_frequency=1"])  # grpo steps every parameter every update
+    config = load_config(
+        EXAMPLE,
+        [
+            "optimizer.name=grpo",
+            "optimizer.options={}",
+            "loggers=[]",
+            "train.steps=1",
+            "train.batch_size=2",
+            "train.group_size=2",
+            "train.max_new_tokens=4",
+            "agents.update_frequency=1",
+        ],
+    )  # grpo steps every parameter every update
     trainer = Trainer(config, run_dir=tmp_path)
     heads = {a: [p.detach().clone() for p in trainer.policy.for_agent(a).output_head().parameters()] for a in AGENTS}
     trainer.step()
@@ -173,7 +189,9 @@ def test_score_routes_each_row_to_its_agents_parameters() -> None:
     agents = ["response", "intent", "response"]
     got = policy.score(ids, mask, completion, cmask, agent_ids=agents)
     for row, a in enumerate(agents):
-        want = policy.for_agent(a).score(ids[row : row + 1], mask[row : row + 1], completion[row : row + 1], cmask[row : row + 1])
+        want = policy.for_agent(a).score(
+            ids[row : row + 1], mask[row : row + 1], completion[row : row + 1], cmask[row : row + 1]
+        )
         torch.testing.assert_close(got.logprobs[row], want.logprobs[0])
         torch.testing.assert_close(got.entropy[row], want.entropy[0])
     with pytest.raises(ValueError, match="pass agent_ids"):
@@ -184,7 +202,10 @@ def test_generation_of_mixed_agent_rows_matches_each_agents_own_generation() -> 
     policy = diverged()
     backend = get_registry().get("generator", "kv_cache").factory()
     base = CustomerServiceEnv().reset(4, seed=3)
-    obs = [Observation(prompt=o.prompt, agent_id=a, stop=o.stop) for o, a in zip(base, ["response", "intent", "response", "retrieval"])]
+    obs = [
+        Observation(prompt=o.prompt, agent_id=a, stop=o.stop)
+        for o, a in zip(base, ["response", "intent", "response", "retrieval"])
+    ]
     greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
     mixed = generate_by_agent(backend, policy, obs, greedy)
     for i, o in enumerate(obs):
@@ -193,7 +214,9 @@ def test_generation_of_mixed_agent_rows_matches_each_agents_own_generation() -> 
         n = int(alone.completion_mask.sum())
         assert torch.equal(mixed.completion_ids[i, :n], alone.completion_ids[0, :n])
         torch.testing.assert_close(mixed.logprobs[i, :n], alone.logprobs[0, :n])
-    assert len({mixed.texts[0], mixed.texts[1], mixed.texts[3]}) > 1  # the decoders differ, so the agents answer differently
+    assert (
+        len({mixed.texts[0], mixed.texts[1], mixed.texts[3]}) > 1
+    )  # the decoders differ, so the agents answer differently
 
 
 def test_decode_step_runs_the_view_of_the_agent_the_rows_name_and_refuses_a_mix() -> None:
@@ -204,7 +227,9 @@ def test_decode_step_runs_the_view_of_the_agent_the_rows_name_and_refuses_a_mix(
         got, _ = policy.decode_step(ids, mask, positions, None, agent_ids=[a, a])
         want, _ = policy.for_agent(a).decode_step(ids, mask, positions, None)
         assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"the rows name agents 'intent', 'response'; one call decodes one agent's rows"):
+    with pytest.raises(
+        ValueError, match=r"the rows name agents 'intent', 'response'; one call decodes one agent's rows"
+    ):
         policy.decode_step(ids, mask, positions, None, agent_ids=["intent", "response"])
 
 
@@ -212,7 +237,10 @@ def test_a_single_agent_policy_samples_every_agents_rows_in_one_batch() -> None:
     policy = tiny(1)
     backend = get_registry().get("generator", "kv_cache").factory()
     base = CustomerServiceEnv().reset(4, seed=3)
-    obs = [Observation(prompt=o.prompt, agent_id=a, stop=o.stop) for o, a in zip(base, ["response", "intent", "response", "retrieval"])]
+    obs = [
+        Observation(prompt=o.prompt, agent_id=a, stop=o.stop)
+        for o, a in zip(base, ["response", "intent", "response", "retrieval"])
+    ]
     params = SamplingParams(max_new_tokens=5, temperature=1.0)
     mixed = generate_by_agent(backend, policy, obs, params, rng=torch.Generator().manual_seed(4))
     whole = backend.generate(policy, obs, params, generator=torch.Generator().manual_seed(4))
@@ -223,10 +251,20 @@ def test_a_single_agent_policy_samples_every_agents_rows_in_one_batch() -> None:
 # ---- update_frequency -----------------------------------------------------------------------------------------------
 def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overrides: str):
     torch.manual_seed(0)
-    policy = MultiAgentPolicy(tiny(), sharing(["embedding", "encoder"], ["decoder"], update_frequency=update_frequency), AGENTS)
+    policy = MultiAgentPolicy(
+        tiny(), sharing(["embedding", "encoder"], ["decoder"], update_frequency=update_frequency), AGENTS
+    )
     algo = get_registry().get("optimizer", "mappo").factory(per_agent_optimizer=per_agent_optimizer)
-    config = load_config(EXAMPLE, ["train.lr=0.01", "train.max_new_tokens=4", "train.track_update_ratio=false",
-                                    "train.updates_per_batch=1", *overrides])  # one update() call = one window slot
+    config = load_config(
+        EXAMPLE,
+        [
+            "train.lr=0.01",
+            "train.max_new_tokens=4",
+            "train.track_update_ratio=false",
+            "train.updates_per_batch=1",
+            *overrides,
+        ],
+    )  # one update() call = one window slot
     learner = Learner(algo, policy, TrainContext.local(config.train))
     env = CustomerServiceEnv()
     reward = get_registry().get("reward", "fluency").factory()
@@ -234,15 +272,24 @@ def mappo_setup(update_frequency: int, per_agent_optimizer: bool = True, *overri
 
 
 def one_update(policy, learner, env, reward, step: int) -> dict[str, float]:
-    ro = collect(env, policy, get_registry().get("generator", "kv_cache").factory(), SamplingParams(max_new_tokens=4), 4,
-                 seed=step, rng=torch.Generator().manual_seed(step))
+    ro = collect(
+        env,
+        policy,
+        get_registry().get("generator", "kv_cache").factory(),
+        SamplingParams(max_new_tokens=4),
+        4,
+        seed=step,
+        rng=torch.Generator().manual_seed(step),
+    )
     scores = reward(*ro.reward_rows())
     batch = learner.prepare(ro.experience(scores, pad_token_id=policy.tokenizer.pad_token_id))
     return learner.update(batch)
 
 
 @pytest.mark.parametrize("per_agent_optimizer", [True, False])
-def test_shared_layers_step_every_update_frequency_updates_and_independent_ones_every_update(per_agent_optimizer) -> None:
+def test_shared_layers_step_every_update_frequency_updates_and_independent_ones_every_update(
+    per_agent_optimizer,
+) -> None:
     policy, algo, env, reward = mappo_setup(3, per_agent_optimizer)
     shared = policy.shared_parameters()
     own = policy.agent_parameters("response")
@@ -254,7 +301,9 @@ def test_shared_layers_step_every_update_frequency_updates_and_independent_ones_
         moved = any(not torch.equal(a, p) for a, p in zip(before_shared, shared))
         stepped.append(moved)
         assert metrics["shared/stepped"] == float(moved)
-        assert any(not torch.equal(a, p) for a, p in zip(before_own, own)), f"update {step}: the response decoder must step"
+        assert any(not torch.equal(a, p) for a, p in zip(before_own, own)), (
+            f"update {step}: the response decoder must step"
+        )
     assert stepped == [False, False, True, False, False, True]
 
 
@@ -297,8 +346,15 @@ class CountingReward:
 
 def three_agent_rollout(step: int = 0):
     policy = diverged()
-    return collect(CustomerServiceEnv(), policy, get_registry().get("generator", "kv_cache").factory(),
-                   SamplingParams(max_new_tokens=4), 4, seed=step, rng=torch.Generator().manual_seed(step))
+    return collect(
+        CustomerServiceEnv(),
+        policy,
+        get_registry().get("generator", "kv_cache").factory(),
+        SamplingParams(max_new_tokens=4),
+        4,
+        seed=step,
+        rng=torch.Generator().manual_seed(step),
+    )
 
 
 @pytest.mark.parametrize("credit", ["team", "role"])
@@ -338,7 +394,9 @@ def test_an_agent_that_acts_in_some_episodes_gets_zero_elsewhere_and_its_mean_ov
     team, per_agent, metrics = plan.assign(RewardOutput(scores))
     assert team.scores.tolist() == [1.0, 2.0, 3.0, 4.0]  # the team rows come first, in episode order
     assert per_agent["intent"][1] == 2.0  # episode 1's last turn is intent's: the same row, scored once
-    assert per_agent["response"][1] == 0.0 and metrics["reward/agent/response"] == float(per_agent["response"][[0, 2, 3]].mean())
+    assert per_agent["response"][1] == 0.0 and metrics["reward/agent/response"] == float(
+        per_agent["response"][[0, 2, 3]].mean()
+    )
 
 
 @pytest.mark.parametrize(("credit", "calls"), [("team", 2), ("role", 2)])
@@ -346,8 +404,18 @@ def test_a_stateful_reward_is_called_once_per_step_whatever_the_credit(tmp_path,
     # Bug 3: role credit called the reward again for each agent, so a layered curriculum advanced 6 times in 2 steps
     # (under torchrun the extra calls saw only the rank's own rows, and the ranks' curricula diverged).
     layers = "{layers: [{name: fluency}, {name: factual, unlock_at: 0.5}]}"
-    config = load_config(EXAMPLE, ["reward.name=layered", f"reward.options={layers}", f"agents.credit={credit}",
-                                   "loggers=[]", "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4"])
+    config = load_config(
+        EXAMPLE,
+        [
+            "reward.name=layered",
+            f"reward.options={layers}",
+            f"agents.credit={credit}",
+            "loggers=[]",
+            "train.batch_size=2",
+            "train.group_size=2",
+            "train.max_new_tokens=4",
+        ],
+    )
     trainer = Trainer(config, run_dir=tmp_path)
     for _ in range(2):
         trainer.step()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import plugin_installs
 import pytest
+
 from palestra.cli import main
 from palestra.cli.new import SCAFFOLDS, render
 
@@ -34,7 +35,9 @@ def only_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 @pytest.mark.slow
 @pytest.mark.pip_install
 def test_a_generated_plugin_installs_passes_its_tests_and_trains(tmp_path: Path) -> None:
-    made = plugin_installs.run_palestra(["new", "plugin", "shout", "--kinds", ALL_KINDS, "--dir", str(tmp_path / "src")], [], tmp_path)
+    made = plugin_installs.run_palestra(
+        ["new", "plugin", "shout", "--kinds", ALL_KINDS, "--dir", str(tmp_path / "src")], [], tmp_path
+    )
     assert made.returncode == 0, made.stderr
     package = tmp_path / "src" / "shout"
     assert (package / "pyproject.toml").is_file() and f"wrote {package}/" in made.stdout
@@ -46,8 +49,9 @@ def test_a_generated_plugin_installs_passes_its_tests_and_trains(tmp_path: Path)
     assert install.returncode == 0, install.stdout + install.stderr
 
     # Its own tests, as its author would run them; the palestra_contract fixture comes from palestra's pytest plugin.
-    tested = plugin_installs.run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider"], [site], package,
-                                        OMP_NUM_THREADS="1", PALESTRA_KERNELS="torch")
+    tested = plugin_installs.run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider"], [site], package, OMP_NUM_THREADS="1", PALESTRA_KERNELS="torch"
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert f"{len(SCAFFOLDS) + 1} passed" in tested.stdout, tested.stdout
 
@@ -55,11 +59,14 @@ def test_a_generated_plugin_installs_passes_its_tests_and_trains(tmp_path: Path)
     trained = plugin_installs.run_palestra(
         ["train", "environment.name=shout", "reward.name=shout", "optimizer.name=shout", "policy.name=shout",
          "loggers=[{name: shout}, {name: jsonl}]", "train.steps=5", "train.batch_size=2", "train.group_size=2",
-         "train.max_new_tokens=4", "train.eval_size=2", "kernels.backend=torch", f"run.output_dir={runs}", "run.name=shout"],
+         "train.max_new_tokens=4", "train.eval_size=2", "kernels.backend=torch", f"run.output_dir={runs}",
+         "run.name=shout"],
         [site], tmp_path, OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    assert "trained 5 steps" in trained.stdout and "reward: shout" in trained.stdout and "policy: shout" in trained.stdout
+    assert (
+        "trained 5 steps" in trained.stdout and "reward: shout" in trained.stdout and "policy: shout" in trained.stdout
+    )
     lines = [json.loads(line) for line in (runs / "shout" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "reward/mean" in line] == [1, 2, 3, 4, 5]
     logged = (runs / "shout" / "shout.tsv").read_text().splitlines()  # the generated logger wrote its file too
@@ -122,12 +129,16 @@ def test_a_name_that_exists_already_is_one_line(tmp_path: Path, capsys: pytest.C
         f"palestra new: error: NAME 'taken': {tmp_path / 'taken'} already exists; pick another name or --dir"
     )
     error = only_error(capsys, "new", "plugin", "json", "--dir", str(tmp_path))
-    assert error.startswith("palestra new: error: NAME 'json': a module of that name already exists (") and error.endswith("); pick another name")
+    assert error.startswith(
+        "palestra new: error: NAME 'json': a module of that name already exists ("
+    ) and error.endswith("); pick another name")
     assert only_error(capsys, "new", "plugin", "format", "--kinds", "reward", "--dir", str(tmp_path)) == (
         "palestra new: error: NAME 'format': reward 'format' is already registered by plugin 'basic_rewards' "
         "(distribution 'palestra'); pick another name"
     )
-    assert main(["new", "plugin", "format", "--kinds", "logger", "--dir", str(tmp_path)]) == 0  # no logger is called that
+    assert (
+        main(["new", "plugin", "format", "--kinds", "logger", "--dir", str(tmp_path)]) == 0
+    )  # no logger is called that
     assert sorted(p.name for p in tmp_path.iterdir()) == ["format", "taken"]
 
 

@@ -1,4 +1,4 @@
-"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and the `palestra plot` command."""
+"""palestra.cli.dashboard (reading metrics.jsonl, planning and drawing the dashboard) and `palestra plot`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra.cli.dashboard import MetricsFileWarning, MetricsNotFoundError, plan_panels, plot_dashboard, read_metrics
 
 
@@ -127,7 +128,12 @@ def test_plan_panels_groups_the_metrics_that_exist() -> None:
 
 
 def test_plan_panels_skips_groups_without_data() -> None:
-    panels = plan_panels([{"step": 1, "reward/mean": 0.5, "agent/responder/reward": 0.25, "x": math.nan}, {"step": 2, "reward/mean": 0.75}])
+    panels = plan_panels(
+        [
+            {"step": 1, "reward/mean": 0.5, "agent/responder/reward": 0.25, "x": math.nan},
+            {"step": 2, "reward/mean": 0.75},
+        ]
+    )
     assert [p.title for p in panels] == ["reward", "agent"]
     assert [s.label for s in panels[1].series] == ["responder/reward"]
     assert plan_panels([]) == []
@@ -160,7 +166,9 @@ def test_plot_dashboard_refuses_a_file_without_numbers(tmp_path: Path) -> None:
 
 # ---- the command -------------------------------------------------------------------------------------
 def palestra(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "palestra", *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "palestra", *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import warnings
 
+import plugin_installs
 import pytest
 
 import palestra
-import plugin_installs
 from palestra import hookspecs
 from palestra.plugin_manager import PalestraPluginWarning, get_registry, plugin_infos
 from palestra.registry import RegistryError
@@ -27,7 +27,9 @@ def test_the_plugin_api_is_a_version() -> None:
 
 
 @pip_install
-@pytest.mark.parametrize("declared", [">=3.0,<4", ">=1.0,<2"])  # the fixture's own, and one written for API 1 (before 2.0)
+@pytest.mark.parametrize(
+    "declared", [">=3.0,<4", ">=1.0,<2"]
+)  # the fixture's own, and one written for API 1 (before 2.0)
 def test_a_plugin_built_for_another_api_is_disabled_with_one_warning(in_process, sites, monkeypatch, declared) -> None:
     in_process.use(sites["example"], sites["future"])
     import palestra_future_plugin
@@ -37,8 +39,10 @@ def test_a_plugin_built_for_another_api_is_disabled_with_one_warning(in_process,
         warnings.simplefilter("always")
         infos = plugin_infos()
     lines = [str(w.message) for w in caught if issubclass(w.category, PalestraPluginWarning)]
-    assert lines == [f"plugin distribution 'palestra-future-plugin' failed and is disabled: plugin 'future' supports plugin "
-                     f"API {declared}, but this palestra provides plugin API 2.0; install a version of the plugin built for 2.0"]
+    assert lines == [
+        f"plugin distribution 'palestra-future-plugin' failed and is disabled: plugin 'future' supports plugin "
+        f"API {declared}, but this palestra provides plugin API 2.0; install a version of the plugin built for 2.0"
+    ]
     future = next(i for i in infos if i.name == "future")
     assert future.error is not None and future.api == declared
     assert "keyword_coverage" in get_registry().names("reward")  # everything else keeps working
@@ -63,16 +67,21 @@ def test_an_unreadable_range_disables_the_plugin_in_one_line(in_process, sites, 
     import palestra_future_plugin
 
     monkeypatch.setattr(palestra_future_plugin, "PALESTRA_PLUGIN_API", "version one")
-    with pytest.warns(PalestraPluginWarning, match=r"declares PALESTRA_PLUGIN_API = 'version one', which is not a version "
-                                                   r"specifier \(write e\.g\. '>=2\.0,<3'\)$"):
+    with pytest.warns(
+        PalestraPluginWarning,
+        match=r"declares PALESTRA_PLUGIN_API = 'version one', which is not a version "
+        r"specifier \(write e\.g\. '>=2\.0,<3'\)$",
+    ):
         infos = plugin_infos()
     assert next(i for i in infos if i.name == "future").error
 
 
 def test_palestra_exports_the_plugin_api_without_importing_torch() -> None:
-    code = ("import sys, palestra; names = [n for n in palestra.__all__ if n not in ('Algorithm', 'AlgorithmOptions', "
-            "'ParamGroup', 'CausalLMPolicy', 'TokenScores', 'TrainContext')]; [getattr(palestra, n) for n in names]; "
-            "print('torch' in sys.modules, palestra.PLUGIN_API)")
+    code = (
+        "import sys, palestra; names = [n for n in palestra.__all__ if n not in ('Algorithm', 'AlgorithmOptions', "
+        "'ParamGroup', 'CausalLMPolicy', 'TokenScores', 'TrainContext')]; [getattr(palestra, n) for n in names]; "
+        "print('torch' in sys.modules, palestra.PLUGIN_API)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", palestra.PLUGIN_API]
     for name in palestra.__all__:

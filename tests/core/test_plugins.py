@@ -12,12 +12,12 @@ import importlib.metadata as metadata
 import json
 import subprocess
 import sys
-import tomllib
 import warnings
 
-import pytest
-
 import plugin_installs
+import pytest
+import tomllib
+
 from palestra import cli, plugin_manager
 from palestra.cli.plugins import PLURALS
 from palestra.plugin_manager import BuiltinPluginError, PalestraPluginWarning, PluginError, PluginInfo
@@ -55,9 +55,11 @@ def test_every_plugin_module_is_an_entry_point_and_the_install_is_current() -> N
         for f in plugins.rglob("*.py")
         if "@hookimpl" in f.read_text()
     )
-    assert BUILTIN_MODULES == hooked
+    assert hooked == BUILTIN_MODULES
     installed = metadata.distribution("palestra").entry_points.select(group="palestra")
-    assert {ep.name: ep.value for ep in installed} == declared_builtins(), "stale install: run pip install -e . --no-deps"
+    assert {ep.name: ep.value for ep in installed} == declared_builtins(), (
+        "stale install: run pip install -e . --no-deps"
+    )
 
 
 def test_builtins_load_first_in_module_order_and_are_attributed_to_palestra(in_process) -> None:
@@ -67,7 +69,9 @@ def test_builtins_load_first_in_module_order_and_are_attributed_to_palestra(in_p
     assert [i.module for i in builtins] == BUILTIN_MODULES
     assert [i.name for i in builtins][:3] == ["arithmetic", "customer_service", "dataset"]
     assert infos[: len(builtins)] == builtins
-    assert {(i.distribution, i.version, i.error) for i in builtins} == {("palestra", metadata.version("palestra"), None)}
+    assert {(i.distribution, i.version, i.error) for i in builtins} == {
+        ("palestra", metadata.version("palestra"), None)
+    }
     for reg in plugin_manager.get_registry():
         if reg.plugin in {i.name for i in builtins}:
             assert reg.distribution == "palestra"
@@ -86,12 +90,16 @@ def fake_palestra_metadata(tmp_path, entry_points: str) -> metadata.Distribution
 @pytest.mark.parametrize(
     ("entry_points", "error"),
     [
-        ("[palestra]\narithmetic = palestra.plugins.envs.arithmetic\nodd = palestra.cli.plugins\n",
-         r"declares entry points outside palestra\.plugins: odd = palestra\.cli\.plugins in the 'palestra' group"),
+        (
+            "[palestra]\narithmetic = palestra.plugins.envs.arithmetic\nodd = palestra.cli.plugins\n",
+            r"declares entry points outside palestra\.plugins: odd = palestra\.cli\.plugins in the 'palestra' group",
+        ),
         ("[console_scripts]\npalestra = palestra.cli:main\n", r"declares no entry points in the 'palestra' group"),
     ],
 )
-def test_palestra_metadata_without_its_builtins_is_a_hard_error(in_process, monkeypatch, tmp_path, entry_points, error) -> None:
+def test_palestra_metadata_without_its_builtins_is_a_hard_error(
+    in_process, monkeypatch, tmp_path, entry_points, error
+) -> None:
     in_process.use()
     dist = fake_palestra_metadata(tmp_path, entry_points)
     monkeypatch.setattr(plugin_manager.metadata, "distribution", lambda name: dist)
@@ -104,11 +112,27 @@ def test_palestra_metadata_without_its_builtins_is_a_hard_error(in_process, monk
 def test_builtins_load_from_a_non_editable_install_in_a_folder_of_its_own(tmp_path) -> None:
     # What bench/bitwise_before_after.py does: `pip install --target` (a wheel's metadata, not the editable finder).
     site = tmp_path / "site"
-    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
-           "--no-compile", "--disable-pip-version-check", "--quiet", "--target", str(site), str(plugin_installs.REPO)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--no-cache-dir",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--target",
+        str(site),
+        str(plugin_installs.REPO),
+    ]
     subprocess.run(pip, check=True, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    code = ("import json, palestra; from palestra.plugin_manager import plugin_infos; "
-            "print(json.dumps([palestra.__file__, [i.module for i in plugin_infos() if i.builtin]]))")
+    code = (
+        "import json, palestra; from palestra.plugin_manager import plugin_infos; "
+        "print(json.dumps([palestra.__file__, [i.module for i in plugin_infos() if i.builtin]]))"
+    )
     out = plugin_installs.run_python(["-c", code], [site], tmp_path)
     assert out.returncode == 0, out.stderr
     where, modules = json.loads(out.stdout)
@@ -124,7 +148,9 @@ def test_a_builtin_raising_in_a_registration_hook_is_a_hard_error(in_process, si
     state.plugins[:] = [dataclasses.replace(i, builtin=True) if i.name == "raising" else i for i in state.plugins]
     with warnings.catch_warnings():
         warnings.simplefilter("error", PalestraPluginWarning)
-        with pytest.raises(BuiltinPluginError, match="built-in plugin 'raising' failed: RuntimeError: cannot reach the scoring service"):
+        with pytest.raises(
+            BuiltinPluginError, match="built-in plugin 'raising' failed: RuntimeError: cannot reach the scoring service"
+        ):
             plugin_manager.get_registry()
     assert BuiltinPluginError.palestra_user_error is False  # the CLI shows its traceback: palestra itself is broken
 
@@ -172,7 +198,9 @@ def test_plugin_raising_in_a_registration_hook_is_disabled_whole_with_one_warnin
     assert registry.by_plugin("raising") == []
     assert plugin_manager.get_plugin_manager().get_plugin("raising") is None  # its lifecycle hooks must not run
     assert {i.name: i.error is None for i in infos if not i.builtin} == {"example": True, "raising": False}
-    assert next(i for i in infos if i.name == "raising").error.startswith("RuntimeError: cannot reach the scoring service")
+    assert next(i for i in infos if i.name == "raising").error.startswith(
+        "RuntimeError: cannot reach the scoring service"
+    )
     assert registry.get("environment", "word_usage").plugin == "example"
     with pytest.raises(RegistryError, match="palestra-raising-plugin"):
         registry.get("reward", "raising_reward")
@@ -214,7 +242,9 @@ def test_load_plugins_empty_loads_no_third_party_plugin_but_every_builtin(in_pro
 @pip_install
 def test_load_plugins_named_loads_only_that_distribution(in_process, sites) -> None:
     # The name is matched after PEP 503 normalisation; the broken ones are installed but not loaded, so no warning.
-    in_process.use(sites["example"], sites["broken"], sites["raising"], PALESTRA_LOAD_PLUGINS=" Palestra_Example.Plugin ")
+    in_process.use(
+        sites["example"], sites["broken"], sites["raising"], PALESTRA_LOAD_PLUGINS=" Palestra_Example.Plugin "
+    )
     infos, warned = load_recording_warnings()
     assert warned == []
     assert [i.distribution for i in infos if not i.builtin] == ["palestra-example-plugin"]
@@ -267,7 +297,9 @@ def test_register_rejects_bad_arguments_naming_the_plugin() -> None:
     with pytest.raises(TypeError, match="options must be a dataclass type"):
         register("ok", lambda: None, options=Options())  # an instance, not the type
     register("ok", lambda k: k, options=Options, description="fine")
-    assert [(r.kind, r.name, r.options, r.plugin, r.distribution) for r in staged] == [("reward", "ok", Options, "p", "d")]
+    assert [(r.kind, r.name, r.options, r.plugin, r.distribution) for r in staged] == [
+        ("reward", "ok", Options, "p", "d")
+    ]
     register.closed = True
     with pytest.raises(RuntimeError, match="after register_rewards returned"):
         register("late", lambda: None)
@@ -320,7 +352,9 @@ def test_cli_plugins_with_a_misspelt_hook_exits_2_with_one_line(sites, tmp_path)
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("palestra plugins: error: plugin 'misspelt' (distribution 'palestra-misspelt-plugin')")
+    assert result.stderr.startswith(
+        "palestra plugins: error: plugin 'misspelt' (distribution 'palestra-misspelt-plugin')"
+    )
     assert "'register_reward'" in result.stderr
 
 
@@ -335,8 +369,16 @@ def test_cli_plugins_table(in_process, sites, capsys) -> None:
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "HOOKS", "REGISTERS"]
     assert lines[1].split()[:4] == ["broken", "palestra-broken-plugin", "0.0.1", "-"]
     assert "FAILED: ModuleNotFoundError" in lines[1]
-    assert lines[2].split() == ["example", "palestra-example-plugin", "0.1.0", "(API", ">=2.0,<3)", "register_environments",
-                                "environments:", "word_usage"]
+    assert lines[2].split() == [
+        "example",
+        "palestra-example-plugin",
+        "0.1.0",
+        "(API",
+        ">=2.0,<3)",
+        "register_environments",
+        "environments:",
+        "word_usage",
+    ]
     assert lines[3].split() == ["register_rewards", "rewards:", "keyword_coverage"]
     assert len(lines) == 4  # built-ins only with --all
 

@@ -14,10 +14,14 @@ import math
 
 import pytest
 import torch
+
+from palestra.config import ConfigError, TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.algorithm import Algorithm
 from palestra.engine.learner import Learner
-from palestra.config import ConfigError, TrainConfig
+from palestra.models.policy import CausalLMPolicy
+from palestra.plugin_manager import get_registry
+from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
 from palestra.scale.micro_batching import (
     OutOfMemory,
     activation_bytes_per_token,
@@ -28,9 +32,6 @@ from palestra.scale.micro_batching import (
     row_widths,
     trim_padding,
 )
-from palestra.plugin_manager import get_registry
-from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
-from palestra.models.policy import CausalLMPolicy
 from palestra.types import Experience
 
 torch.set_num_threads(1)
@@ -188,7 +189,9 @@ def test_a_non_finite_loss_skips_the_step_with_one_warning_line(caplog):
     assert algo.scheduler.last_epoch == 0  # no schedule step either
     [record] = caplog.records
     assert "\n" not in record.getMessage()
-    assert record.getMessage().startswith("grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch ")
+    assert record.getMessage().startswith(
+        "grpo.update: skipped the optimiser step: non-finite loss (nan) in pass 0, micro-batch "
+    )
     # The next good batch trains normally.
     m = algo.update(batch)
     assert m["train/skipped"] == 0.0 and algo.scheduler.last_epoch == 1
@@ -209,8 +212,10 @@ def test_a_non_finite_gradient_skips_the_step(caplog):
 def test_grad_sync_hook_is_called_once_per_pass_before_clipping():
     policy = tiny()
     calls = []
-    context = TrainContext(train=train(grad_accum=2, updates_per_batch=3),
-                           grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))))
+    context = TrainContext(
+        train=train(grad_accum=2, updates_per_batch=3),
+        grad_sync=lambda params: calls.append((len(params), all(p.grad is not None for p in params))),
+    )
     algo = Learner(build("grpo"), policy, context)
     algo.update(algo.prepare(make_batch(policy)))
     assert calls == [(len(algo.params), True)] * 3
@@ -258,11 +263,13 @@ def test_token_budget_accumulation_is_exact(name, options):
 def test_a_row_bigger_than_the_token_budget_is_a_one_line_error():
     policy = tiny()
     algo = setup(policy, token_budget=9)
-    with pytest.raises(ValueError, match=r"^grpo: train.token_budget=9 is smaller than row 0 of the batch, which needs 10 tokens"):
+    with pytest.raises(
+        ValueError, match=r"^grpo: train.token_budget=9 is smaller than row 0 of the batch, which needs 10 tokens"
+    ):
         algo.update(algo.prepare(make_batch(policy)))
 
 
-# ---- automatic micro-batch size and out-of-memory back-off ------------------------------------------------------------
+# ---- automatic micro-batch size and out-of-memory back-off -----------------------------------------------------------
 class OOMAbove(TinyTransformerPolicy):
     """Raises the real CUDA out-of-memory exception when one score() call sees more than ``limit`` tokens."""
 
@@ -305,7 +312,9 @@ def test_out_of_memory_with_one_row_per_micro_batch_gives_up_in_one_line():
     algo = setup(policy, auto_micro_batch=True)
     batch = make_batch(tiny())
     batch.advantages = torch.ones(batch.batch_size)
-    with pytest.raises(OutOfMemory, match=r"^grpo.update: out of memory with one row per micro-batch .*train.auto_micro_batch") as e:
+    with pytest.raises(
+        OutOfMemory, match=r"^grpo.update: out of memory with one row per micro-batch .*train.auto_micro_batch"
+    ) as e:
         algo.update(batch)
     assert "\n" not in str(e.value)
 
@@ -324,7 +333,7 @@ def test_automatic_budget_follows_free_memory_and_the_model():
     assert algo.planner.token_budget(make_batch(policy)) == 30  # the token budget caps the estimate
 
 
-# ---- offload ---------------------------------------------------------------------------------------------------------------
+# ---- offload ---------------------------------------------------------------------------------------------------------
 def test_offload_matches_the_plain_run_and_keeps_state_on_the_cpu():
     runs = []
     for offload in (False, True):
@@ -349,7 +358,7 @@ def test_offload_matches_the_plain_run_and_keeps_state_on_the_cpu():
         torch.testing.assert_close(m, p.detach(), rtol=0, atol=0)
 
 
-# ---- gradient checkpointing ---------------------------------------------------------------------------------------------
+# ---- gradient checkpointing ------------------------------------------------------------------------------------------
 def test_gradient_checkpointing_gives_the_same_gradients():
     results = []
     for on in (False, True):
@@ -373,11 +382,16 @@ def test_gradient_checkpointing_on_a_policy_without_it_is_a_config_error():
 def test_the_hf_policy_switches_transformers_checkpointing_on_and_off(tmp_path):
     pytest.importorskip("transformers")
     import tiny_hf
+
     from palestra.config import build_component
 
     folder = tiny_hf.build_qwen2(tmp_path / "qwen2")
     policy = build_component("policy", {"name": "hf", "options": {"path": str(folder)}}, path="policy")
-    flag = "is_activation_checkpointing" if hasattr(policy.model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(policy.model, "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     assert not getattr(policy.model, flag)
     setup(policy, gradient_checkpointing=True)
     assert getattr(policy.model, flag) and policy.options.gradient_checkpointing

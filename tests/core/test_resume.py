@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from palestra.engine import checkpoint as ckpt
-from palestra.config import ConfigError, build_run, validate_config
+
 from palestra.checked_reward import CheckedReward
-from palestra.scale.distributed import DistributedContext
+from palestra.config import ConfigError, build_run, validate_config
+from palestra.engine import checkpoint as ckpt
 from palestra.engine.trainer import Trainer, TrainingAborted
+from palestra.scale.distributed import DistributedContext
 
 STEPS, SAVE_EVERY, KEEP = 12, 3, 2
 # conftest's raw_config (reinforce with replay and running normalisation, a layered reward: every kind of state a
@@ -35,8 +36,14 @@ RESUME = {"steps": STEPS, "eval_every": 6, "save_every": SAVE_EVERY, "keep_check
 def palestra(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PALESTRA_") and k not in ("RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "palestra", "train", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> None:
@@ -77,7 +84,9 @@ def killed_and_resumed(
 
 
 @pytest.mark.slow  # two training runs in subprocesses, one killed and resumed: 10-14 s
-def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw_config(Path("runs"), **RESUME)))
     run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY)
@@ -100,7 +109,6 @@ def test_a_run_killed_mid_training_resumes_to_the_same_parameters_bitwise(tmp_pa
     assert not list((run_b / "checkpoints").glob(".*"))
 
 
-
 @pytest.mark.slow
 def test_a_dapo_run_with_refill_resumes_bitwise(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     """DAPO's refill rounds sample from seeds derived from the step and the round: the resumed run draws the same."""
@@ -114,6 +122,7 @@ def test_a_dapo_run_with_refill_resumes_bitwise(tmp_path: Path, raw_config: Call
     lines = metric_lines(run_b)
     assert lines == metric_lines(run_a)
     assert any(m.get("rollout/refill_rounds", 0) > 0 for m in lines)  # the refills happened
+
 
 def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> None:
     good = {"step": 3, "policy": {"w": torch.arange(4.0)}}
@@ -143,7 +152,9 @@ def test_a_partial_write_never_replaces_a_good_checkpoint(tmp_path: Path) -> Non
         ckpt.find_resume_checkpoint(tmp_path / "checkpoints")
 
 
-def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_resume_allows_only_run_length_and_bookkeeping_overrides(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     from palestra.cli.train import resume_config
 
     raw = raw_config(tmp_path, **RESUME)
@@ -154,7 +165,9 @@ def test_resume_allows_only_run_length_and_bookkeeping_overrides(tmp_path: Path,
         resume_config(str(tmp_path), ["train.lr=1"])
 
 
-def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     raw = raw_config(tmp_path, **RESUME)
     raw["train"].update(max_bad_steps=2, save_every=0)
     config = validate_config(raw)
@@ -168,6 +181,7 @@ def test_a_non_finite_reward_skips_the_step_and_k_in_a_row_abort(tmp_path: Path,
     assert metrics["train/skipped"] == 1.0 and trainer.step_index == 1 and trainer.bad_steps == 1
     assert any("step 1 skipped: the reward is not finite" in str(w.message) for w in caught)
     assert all(torch.equal(v, weights[k]) for k, v in trainer.policy.state_dict().items())  # no update
-    with pytest.raises(TrainingAborted, match=r"^train\.max_bad_steps: 2 steps in a row were skipped"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.step()
+        with pytest.raises(TrainingAborted, match=r"^train\.max_bad_steps: 2 steps in a row were skipped"):
+            trainer.step()

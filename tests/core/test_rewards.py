@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from palestra.checked_reward import CheckedReward, RewardError
 from palestra.config import build_component, load_config
 from palestra.plugin_manager import get_registry
-from palestra.registry import Registration, Registry
-from palestra.checked_reward import CheckedReward, RewardError
 from palestra.plugins.rewards.combinators import Layered, WeightedSum
+from palestra.registry import Registration, Registry
 from palestra.types import RewardOutput
 
 PROMPTS = ["q0", "q1", "q2", "q3"]
@@ -29,7 +29,7 @@ def answer(text: str) -> str:
 # ---- test-only rewards, registered next to the built-ins ---------------------------------------------
 def fixed(values: Any) -> Callable[..., Any]:
     """A reward factory whose reward returns ``values`` whatever it is asked."""
-    return lambda: (lambda prompts, completions, metadata: values)
+    return lambda: lambda prompts, completions, metadata: values
 
 
 class Boom:
@@ -291,7 +291,9 @@ def test_layered_state_round_trips_through_a_checkpoint() -> None:
     assert reward.state_dict() == fresh.state_dict()
 
     other = layered(layers=[{"name": "format"}, {"name": "length", "unlock_at": 0.5}])
-    with pytest.raises(RewardError, match=r"saved for layers \['format', 'correctness'\], this config has \['format', 'length'\]"):
+    with pytest.raises(
+        RewardError, match=r"saved for layers \['format', 'correctness'\], this config has \['format', 'length'\]"
+    ):
         other.load_state_dict(state)
 
 

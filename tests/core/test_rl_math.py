@@ -59,7 +59,10 @@ def test_kl_estimators_match_schulman_formulas():
 
 def test_group_size_of_checks_structure():
     assert group_size_of(torch.tensor([3, 3, 1, 1, 9, 9]), "grpo") == 2
-    with pytest.raises(ValueError, match=r"^grpo: batch.group_ids \[6\] must keep each group's rows consecutive; group 0 appears again at row 4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^grpo: batch.group_ids \[6\] must keep each group's rows consecutive; group 0 appears again at row 4$",
+    ):
         group_size_of(torch.tensor([0, 0, 1, 1, 0, 0]), "grpo")
     with pytest.raises(ValueError, match=r"same size \(train.group_size\); got sizes \[1, 2, 3\]"):
         group_size_of(torch.tensor([0, 0, 0, 1, 1, 2]), "grpo")
@@ -71,7 +74,7 @@ def test_last_token_rewards():
     assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
 
 
-# ---- the clipped surrogate ------------------------------------------------------------------------------------------------
+# ---- the clipped surrogate -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("B,T,A", SHAPES)
 @pytest.mark.parametrize("clip_high", [None, 0.28])
 def test_clipped_surrogate_by_hand(B, T, A, clip_high):
@@ -112,7 +115,10 @@ def test_clipped_surrogate_per_row_advantage_and_errors():
     a, _ = clipped_surrogate(logp, old, adv, None)
     b, _ = clipped_surrogate(logp, old, adv[:, None].expand(3, 4), None)
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match=r"^clipped_surrogate: behaviour_logp has shape \[3, 5\], expected \[3, 4\] \(the shape of logp\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^clipped_surrogate: behaviour_logp has shape \[3, 5\], expected \[3, 4\] \(the shape of logp\)$",
+    ):
         clipped_surrogate(logp, torch.zeros(3, 5), adv, None)
     with pytest.raises(ValueError, match=r"^clipped_surrogate: adv has shape \[2\], expected \[3, 4\] or \[3\]"):
         clipped_surrogate(logp, old, torch.zeros(2), None)
@@ -174,7 +180,9 @@ def test_aggregate_by_hand(B, T, A, agg):
 
 def test_masked_mean_and_explained_variance_by_hand():
     values, returns, m = random_rows(7, 5, seed=4)
-    valid = [(values[b, t].double().item(), returns[b, t].double().item()) for b in range(7) for t in range(5) if m[b, t]]
+    valid = [
+        (values[b, t].double().item(), returns[b, t].double().item()) for b in range(7) for t in range(5) if m[b, t]
+    ]
     n = len(valid)
     assert masked_mean(values, m).item() == pytest.approx(sum(v for v, _ in valid) / n, rel=1e-5)
     assert masked_mean(m, m).item() == 1.0  # a bool tensor counts as float32
@@ -195,7 +203,9 @@ def test_lr_schedules_by_hand():
     lin = lr_factor("linear", 2, 6)
     assert [lin(s) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
     cos = lr_factor("cosine", 0, 4)
-    assert [cos(s) for s in range(4)] == pytest.approx([0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(4)], rel=1e-12)
+    assert [cos(s) for s in range(4)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(4)], rel=1e-12
+    )
     assert [lr_factor("constant", 3, 10)(s) for s in range(5)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="unknown schedule 'step'"):
         lr_factor("step", 0, 4)(0)

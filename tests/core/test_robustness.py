@@ -10,9 +10,9 @@ policy that ignores the question and always answers the most frequent sum: the p
 * ``test_all_100_facts_are_learnt_on_the_tagged_task`` (CI, ~4 min): ``examples/hundred_facts.yaml`` as written,
   seed 0: the built-in tagged task on all 100 one-digit sums, the issue's hardest goal.
 * ``test_every_example_learns_the_sums_on_the_median_seed`` (``PALESTRA_ROBUSTNESS=1``): every example config and
-  the default run, as written (2000 steps each, 1200 for hundred_facts; 11 configs x 3 seeds, ~95 min on two cores), which is what ``bench/robustness.py``
-  measures. It is not in CI: it does not fit the budget. Measured on 2026-12-03 (docs/learning.md, "Examples x seeds"),
-  every config's median seed is above the constant-answer level.
+  the default run, as written (2000 steps each, 1200 for hundred_facts; 11 configs x 3 seeds, ~95 min on two cores),
+  which is what ``bench/robustness.py`` measures. It is not in CI: it does not fit the budget. Measured on 2026-12-03
+  (docs/learning.md, "Examples x seeds"), every config's median seed is above the constant-answer level.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ from typing import Any
 import pytest
 
 import robustness
-from robustness import BARE_ANSWER, CONFIGS, config_path, run_one  # bench/: on sys.path by pyproject's pytest pythonpath
+from robustness import (  # bench/: on sys.path by pyproject's pytest pythonpath
+    BARE_ANSWER,
+    CONFIGS,
+    config_path,
+    run_one,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.usefixtures("one_thread")]
 
@@ -48,8 +53,9 @@ def hundred_facts_run(request: pytest.FixtureRequest) -> Iterator[subprocess.Pop
     bench = str(Path(robustness.__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (bench, os.environ.get("PYTHONPATH")) if p)}
     code = "import json; from robustness import run_one; print(json.dumps(run_one('hundred_facts', 0)['correctness']))"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     yield proc
     if proc.poll() is None:
         proc.kill()

@@ -10,8 +10,13 @@ import math
 
 import pytest
 import torch
-
-from algo_helpers import ToyPolicy, learner_for, make_batch, reference_logprobs, train_config  # the algorithm tests' toy policy (tests/plugins)
+from algo_helpers import (  # the algorithm tests' toy policy (tests/plugins)
+    ToyPolicy,
+    learner_for,
+    make_batch,
+    reference_logprobs,
+    train_config,
+)
 
 from palestra.config import ConfigError, check_options
 from palestra.plugin_manager import get_registry
@@ -76,14 +81,20 @@ def test_weights_masks_and_gap_match_hand_formulas(level, mode):
     learner = reference_logprobs(policy, batch)
     mu, mask = batch.behaviour_logprobs.double(), batch.completion_mask
     threshold, low = 1.5, 0.6
-    opts = RolloutCorrectionOptions(level=level, mode=mode, threshold=threshold, mask_low=low if mode == "mask" else None)
+    opts = RolloutCorrectionOptions(
+        level=level, mode=mode, threshold=threshold, mask_low=low if mode == "mask" else None
+    )
     weights, metrics = rollout_mismatch(learner.float(), batch.behaviour_logprobs, mask, opts)
     want, truncated, rejected = hand_weights(learner, mu, mask, level, mode, threshold, low)
     torch.testing.assert_close(weights.double(), want, rtol=2e-5, atol=1e-6)
 
     gaps = [abs(float(learner[b, t]) - float(mu[b, t])) for b in range(6) for t in range(5) if mask[b, t]]
-    k3 = torch.tensor([[math.exp(float(learner[b, t] - mu[b, t])) - 1 - float(learner[b, t] - mu[b, t])
-                        for t in range(5)] for b in range(6)])
+    k3 = torch.tensor(
+        [
+            [math.exp(float(learner[b, t] - mu[b, t])) - 1 - float(learner[b, t] - mu[b, t]) for t in range(5)]
+            for b in range(6)
+        ]
+    )
     assert float(metrics["logp_gap_mean"]) == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
     assert float(metrics["logp_gap_max"]) == pytest.approx(max(gaps), rel=1e-5)
     assert float(metrics["kl"]) == pytest.approx(token_mean(k3, mask), rel=1e-4)
@@ -105,8 +116,12 @@ def test_no_perturbation_gives_unit_weights_and_masks_nothing():
     learner = reference_logprobs(policy, batch).float()
     for level in ("token", "sequence"):
         for mode in ("truncate", "mask"):
-            weights, m = rollout_mismatch(learner, batch.behaviour_logprobs, batch.completion_mask,
-                                          RolloutCorrectionOptions(level=level, mode=mode))
+            weights, m = rollout_mismatch(
+                learner,
+                batch.behaviour_logprobs,
+                batch.completion_mask,
+                RolloutCorrectionOptions(level=level, mode=mode),
+            )
             torch.testing.assert_close(weights, batch.completion_mask.float())
             assert float(m["masked_frac"]) == 0.0 and float(m["truncated_frac"]) == 0.0
             assert float(m["is_weight_mean"]) == 1.0
@@ -126,10 +141,14 @@ def test_a_long_sequence_ratio_does_not_overflow():
 
 def test_bad_options_name_the_key():
     opts = {"rollout_correction": {"level": "sequence", "mode": "mask", "threshold": 2.0, "mask_low": 3.0}}
-    with pytest.raises(ConfigError, match=r"^grpo\.rollout_correction\.mask_low: must be below threshold \(2\.0\), got 3\.0$"):
+    with pytest.raises(
+        ConfigError, match=r"^grpo\.rollout_correction\.mask_low: must be below threshold \(2\.0\), got 3\.0$"
+    ):
         get_registry().get("optimizer", "grpo").factory(**opts)
     with pytest.raises(ConfigError, match=r"^grpo\.rollout_correction\.threshold: must be >= 1"):
-        check_options(get_registry().get("optimizer", "grpo").options, {"rollout_correction": {"threshold": 0.5}}, where="grpo")
+        check_options(
+            get_registry().get("optimizer", "grpo").options, {"rollout_correction": {"threshold": 0.5}}, where="grpo"
+        )
     with pytest.raises(ConfigError, match=r"^ppo\.rollout_correction\.mask_low: only mode 'mask' uses a lower bound"):
         get_registry().get("optimizer", "ppo").factory(rollout_correction={"level": "token", "mask_low": 0.5})
 
@@ -146,14 +165,31 @@ def float64_logprobs(policy64: ToyPolicy, batch) -> torch.Tensor:
     return torch.where(batch.completion_mask, logp, torch.zeros_like(logp))
 
 
-@pytest.mark.parametrize("level,mode,moved", [("token", "truncate", False), ("sequence", "mask", False),
-                                              ("token", "mask", True), ("sequence", "truncate", True)])
+@pytest.mark.parametrize(
+    "level,mode,moved",
+    [
+        ("token", "truncate", False),
+        ("sequence", "mask", False),
+        ("token", "mask", True),
+        ("sequence", "truncate", True),
+    ],
+)
 def test_corrected_grpo_loss_and_gradient_match_float64(level, mode, moved):
     """``-w * min(r A, clip(r) A)`` with ``r = pi / pi_old`` and ``w`` from ``pi_old / mu``: in the only pass
     ``pi_old`` is this forward's (r = 1); ``moved`` sets ``batch.old_logprobs`` as a later pass has them."""
     policy = ToyPolicy()
-    algo = get_registry().get("optimizer", "grpo").factory(
-        clip_eps=0.2, rollout_correction={"level": level, "mode": mode, "threshold": 1.5, "mask_low": 0.6 if mode == "mask" else None},
+    algo = (
+        get_registry()
+        .get("optimizer", "grpo")
+        .factory(
+            clip_eps=0.2,
+            rollout_correction={
+                "level": level,
+                "mode": mode,
+                "threshold": 1.5,
+                "mask_low": 0.6 if mode == "mask" else None,
+            },
+        )
     )
     algo = learner_for(algo, policy, train_config())
     batch = algo.prepare(batch_from(perturbed(policy, 0.3)))
@@ -224,20 +260,49 @@ def test_a_few_training_steps_with_correction_log_the_metrics(tmp_path, one_thre
 
     raw = {
         "run": {"name": "rc", "seed": 0, "output_dir": "runs"},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
+        "environment": {
+            "name": "arithmetic",
+            "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="},
+        },
         "reward": {"name": "format", "options": {"tag": "answer"}},
-        "policy": {"name": "tiny", "options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "seed": None}},
-        "optimizer": {"name": "grpo", "options": {"entropy_coef": 0.01, "diagnostics_every": 2,
-                                                  "rollout_correction": {"level": "sequence", "mode": "mask", "threshold": 2.0}}},
+        "policy": {
+            "name": "tiny",
+            "options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, "seed": None},
+        },
+        "optimizer": {
+            "name": "grpo",
+            "options": {
+                "entropy_coef": 0.01,
+                "diagnostics_every": 2,
+                "rollout_correction": {"level": "sequence", "mode": "mask", "threshold": 2.0},
+            },
+        },
         "loggers": [],
-        "train": {"steps": 3, "batch_size": 4, "group_size": 4, "max_new_tokens": 6, "updates_per_batch": 2,
-                  "eval_size": 4, "eval_every": 0, "save_every": 0, "device": "cpu"},
+        "train": {
+            "steps": 3,
+            "batch_size": 4,
+            "group_size": 4,
+            "max_new_tokens": 6,
+            "updates_per_batch": 2,
+            "eval_size": 4,
+            "eval_every": 0,
+            "save_every": 0,
+            "device": "cpu",
+        },
     }
     history = Trainer(validate_config(raw), run_dir=tmp_path).train().history
     assert len(history) == 3
     for step, metrics in enumerate(history):
-        for key in ("rollout/logp_gap_mean", "rollout/logp_gap_max", "rollout/kl", "rollout/is_weight_mean",
-                    "rollout/truncated_frac", "rollout/masked_frac", "diag/tied_group_frac", "policy/clip_frac"):
+        for key in (
+            "rollout/logp_gap_mean",
+            "rollout/logp_gap_max",
+            "rollout/kl",
+            "rollout/is_weight_mean",
+            "rollout/truncated_frac",
+            "rollout/masked_frac",
+            "diag/tied_group_frac",
+            "policy/clip_frac",
+        ):
             assert math.isfinite(metrics[key]), (step, key)
         # the sampler is the learner here: float noise only, nothing rejected
         assert metrics["rollout/logp_gap_max"] < 1e-3 and metrics["rollout/masked_frac"] == 0.0
@@ -254,7 +319,9 @@ def test_a_loss_of_its_own_gets_the_correction_from_the_learner():
         name = "bare"
 
         def loss(self, batch, scores):
-            per_token, _ = clipped_surrogate(scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask)
+            per_token, _ = clipped_surrogate(
+                scores.logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask
+            )
             return aggregate(per_token, batch.completion_mask, "token_mean"), {}
 
     policy = ToyPolicy()
@@ -263,5 +330,7 @@ def test_a_loss_of_its_own_gets_the_correction_from_the_learner():
     batch = bare.prepare(batch_from(perturbed(policy, 0.3)))
     loss, metrics = bare.loss(batch)
     assert "rollout/is_weight_mean" in metrics
-    assert loss.item() == pytest.approx(learner_for(GRPO(**options), policy, train_config()).loss(batch)[0].item(), rel=1e-6)
+    assert loss.item() == pytest.approx(
+        learner_for(GRPO(**options), policy, train_config()).loss(batch)[0].item(), rel=1e-6
+    )
     assert abs(learner_for(Bare(), policy, train_config()).loss(batch)[0].item() - loss.item()) > 1e-4

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+
+from palestra.models.sampling import generate, pick_tokens, sample
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.models.sampling import generate, pick_tokens, sample
 from palestra.types import Generation, Observation, SamplingParams
 
 PROMPTS = ["1 + 2 = ?", "34 * 5 =", "7", "12 - 9 + 40 = ?", "?", "0 0 0"]
@@ -74,7 +75,9 @@ def test_behaviour_logprobs_equal_policy_scores(policy, temperature, top_p):
     params = SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p)
     gen = generate(policy, observations(), params, generator=seeded(1))
     check_conventions(gen, policy, params)
-    scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=temperature)
+    scores = policy.score(
+        gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=temperature
+    )
     torch.testing.assert_close(gen.logprobs, scores.logprobs.detach(), rtol=0, atol=1e-5)
 
 
@@ -183,8 +186,9 @@ def test_per_row_caps_truncate_rows_and_keep_logprobs_consistent(policy, tempera
         assert n <= (8 if c is None else min(c, 8))
     assert "length" in endings and lengths[3] == 0 and gen.texts[3] == ""
     # The behaviour log-probs are what score() gives for the produced tokens (0 where masked).
-    scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
-                          temperature=temperature or 1.0)
+    scores = policy.score(
+        gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=temperature or 1.0
+    )
     torch.testing.assert_close(gen.logprobs, scores.logprobs.detach(), rtol=0, atol=1e-5)
     # A cap only truncates: each row's tokens are the uncapped row's first ones (same seed, same draws).
     free = generate(policy, [Observation(prompt=p) for p in prompts], params, generator=seeded(11))
@@ -246,7 +250,9 @@ def test_id_order_draws_of_large_vocabularies_follow_the_tempered_softmax_and_sk
         freq = torch.bincount(token, minlength=len(row)).double() / len(token)
         assert freq[expected == 0].sum() == 0
         assert (freq - expected).abs().max() < 0.015, (temperature, freq[freq > 0], expected[expected > 0])  # > 4 s.e.
-        torch.testing.assert_close(logp, torch.log_softmax(logits / temperature, -1).gather(-1, token[:, None]).squeeze(-1))
+        torch.testing.assert_close(
+            logp, torch.log_softmax(logits / temperature, -1).gather(-1, token[:, None]).squeeze(-1)
+        )
 
 
 @pytest.mark.parametrize("vocab", [8, 3000])  # one block, and many blocks (some without any mass)

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from palestra.cli import main
+
 from palestra.checked_reward import CheckedReward
+from palestra.cli import main
 from palestra.config import build_run, validate_config
 from palestra.engine.trainer import NonFiniteStepWarning, Trainer
 from palestra.scale.distributed import DistributedContext
@@ -41,10 +42,14 @@ def check_breakdown(metrics: dict[str, float]) -> None:
         assert key in metrics, key
         assert math.isfinite(metrics[key]) and metrics[key] >= 0, (key, metrics[key])
     total = sum(metrics[k] for k in PARTS)
-    assert total == pytest.approx(metrics["perf/step_s"], rel=1e-9, abs=1e-9), {k: metrics[k] for k in (*PARTS, "perf/step_s")}
+    assert total == pytest.approx(metrics["perf/step_s"], rel=1e-9, abs=1e-9), {
+        k: metrics[k] for k in (*PARTS, "perf/step_s")
+    }
 
 
-def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     trainer = Trainer(validate_config(raw_config(tmp_path, name="timing", sections=TIMING)), run_dir=tmp_path / "run")
     for _ in range(2):
         metrics = trainer.step()
@@ -53,7 +58,9 @@ def test_every_step_reports_its_parts_and_they_sum_to_the_step_time(tmp_path: Pa
         assert metrics["perf/generate_s"] > 0 and metrics["perf/update_s"] > 0 and metrics["perf/score_s"] > 0
 
 
-def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
     config = validate_config(raw_config(tmp_path, name="timing", sections=TIMING))
     built = build_run(config, DistributedContext.from_config(config, config.train.device))
     nan = CheckedReward(lambda p, c, m: [math.nan] * len(c), name="nan_reward")  # skipped after the rollout
@@ -66,11 +73,16 @@ def test_a_skipped_step_reports_the_parts_it_never_reached_as_zero(tmp_path: Pat
     assert metrics["perf/score_s"] == 0 and metrics["perf/update_s"] == 0
 
 
-def test_bench_e2e_prints_the_breakdown_and_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str], raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_bench_e2e_prints_the_breakdown_and_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], raw_config: Callable[..., dict[str, Any]]
+) -> None:
     out = tmp_path / "steps.json"
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw_config(tmp_path, name="timing", sections=TIMING)))
-    assert main(["bench", "--e2e", "--config", str(config), "--steps", "2", "train.max_new_tokens=3", "--out", str(out)]) == 0
+    assert (
+        main(["bench", "--e2e", "--config", str(config), "--steps", "2", "train.max_new_tokens=3", "--out", str(out)])
+        == 0
+    )
     table = capsys.readouterr().out
     for part in ("generate", "reward", "score", "update", "overhead", "step", "completions/s", "tokens/s"):
         assert any(line.split()[0] == part for line in table.splitlines() if line.strip()), (part, table)
@@ -87,7 +99,11 @@ def test_bench_e2e_flags_are_checked_in_one_line(capsys: pytest.CaptureFixture[s
     assert main(["bench", "--e2e", "--steps", "0"]) == 2
     assert capsys.readouterr().err.strip() == "palestra bench: error: --steps: expected at least 1 measured step, got 0"
     assert main(["bench", "--e2e", "--quick"]) == 2
-    assert capsys.readouterr().err.strip() == "palestra bench: error: --quick: only for the kernel benchmark, not with --e2e"
+    assert (
+        capsys.readouterr().err.strip()
+        == "palestra bench: error: --quick: only for the kernel benchmark, not with --e2e"
+    )
     assert main(["bench", "train.lr=0.1"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "palestra bench: error: key=value: only with --e2e (the kernel benchmark takes --ops, --quick and --min-time)")
+        "palestra bench: error: key=value: only with --e2e (the kernel benchmark takes --ops, --quick and --min-time)"
+    )

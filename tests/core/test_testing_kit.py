@@ -5,7 +5,6 @@ plugin's own tests the ``palestra_contract`` fixture, and the example plugin's t
 
 from __future__ import annotations
 
-
 import random
 import shutil
 from collections.abc import Callable
@@ -15,11 +14,21 @@ from typing import Any
 import plugin_installs
 import pytest
 import torch
+
 from palestra import Observation, RewardOutput, StepResult
 from palestra.plugin_manager import get_registry
 from palestra.plugins.optimizers.grpo import GRPO
 from palestra.plugins.policies._tiny_model import TinyTransformerPolicy
-from palestra.testing import RULES, ContractError, check, check_environment, check_logger, check_optimizer, check_policy, check_reward
+from palestra.testing import (
+    RULES,
+    ContractError,
+    check,
+    check_environment,
+    check_logger,
+    check_optimizer,
+    check_policy,
+    check_reward,
+)
 from palestra.testing.samples import TINY_POLICY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,10 +42,16 @@ SETTINGS: dict[tuple[str, str], dict[str, Any]] = {
     ("reward", "fluency"): {"environment": "customer_service"},
     ("reward", "factual"): {"environment": "customer_service"},
     ("reward", "politeness"): {"environment": "customer_service"},
-    ("reward", "weighted_sum"): {"options": {"components": [{"name": "format"}, {"name": "correctness", "weight": 2.0}]}},
+    ("reward", "weighted_sum"): {
+        "options": {"components": [{"name": "format"}, {"name": "correctness", "weight": 2.0}]}
+    },
     # unlock_at 0.1: the second layer unlocks after the first call, so the state round-trip has progress to carry
-    ("reward", "layered"): {"options": {"layers": [{"name": "format", "options": {"pattern": "[0-9]"}},
-                                                   {"name": "correctness", "unlock_at": 0.1}], "ema_decay": 0.5}},
+    ("reward", "layered"): {
+        "options": {
+            "layers": [{"name": "format", "options": {"pattern": "[0-9]"}}, {"name": "correctness", "unlock_at": 0.1}],
+            "ema_decay": 0.5,
+        }
+    },
     ("reward", "game_outcome"): {"environment": "textarena"},  # reads the game's outcome from the episode metadata
     ("policy", "tiny"): {"options": {k: v for k, v in TINY_POLICY.items() if k != "seed"}},
     ("environment", "dataset"): {"options": {"path": str(REPO / "examples" / "data" / "sums.jsonl")}},
@@ -61,6 +76,7 @@ def builtins() -> list[Any]:
 def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
+
     return tiny_hf.build_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
@@ -99,7 +115,9 @@ def caught(run: Callable[[], None]) -> ContractError:
     with pytest.raises(ContractError) as info:
         run()
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{info.value.kind} {info.value.label!r}.{info.value.method}: rule ")
+    assert "\n" not in message and message.startswith(
+        f"{info.value.kind} {info.value.label!r}.{info.value.method}: rule "
+    )
     return info.value
 
 
@@ -246,7 +264,9 @@ class IgnoresGroupSize(CopyEnv):
 
 class UnseededEnv(CopyEnv):
     def reset(self, batch_size, *, seed=None, group_size=1):
-        return super().reset(batch_size, seed=None, group_size=group_size)  # random.Random(None): fresh tasks every time
+        return super().reset(
+            batch_size, seed=None, group_size=group_size
+        )  # random.Random(None): fresh tasks every time
 
 
 class DrawsPerRow(CopyEnv):
@@ -292,7 +312,8 @@ class StrangerInfo(CopyEnv):
 
 
 class ListAgents(CopyEnv):
-    agent_ids = ["assistant"]  # type: ignore[assignment]
+    # a list where the protocol asks for a tuple: the mistake this case checks is reported
+    agent_ids = ["assistant"]  # type: ignore[assignment]  # noqa: RUF012 - deliberately mutable, see above
 
 
 class EmptyBatchCrash(CopyEnv):
@@ -310,9 +331,19 @@ class HalfStateful(CopyEnv):
 @pytest.mark.parametrize(
     ("env", "method", "rule", "detail"),
     [
-        (IgnoresGroupSize, "reset", "one observation per row", "reset returned 2 observations; it must return a list of batch_size*group_size = 4"),
+        (
+            IgnoresGroupSize,
+            "reset",
+            "one observation per row",
+            "reset returned 2 observations; it must return a list of batch_size*group_size = 4",
+        ),
         (UnseededEnv, "reset", "same seed, same tasks", "a second reset on the same instance differs"),
-        (DrawsPerRow, "reset", "groups share a task", "rows 0 and 1 are in one group (group_size=2) but their prompt differs"),
+        (
+            DrawsPerRow,
+            "reset",
+            "groups share a task",
+            "rows 0 and 1 are in one group (group_size=2) but their prompt differs",
+        ),
         (ShortStep, "step", "one result per row", "step returned 3 rows for a batch of 4"),
         (UnknownAgent, "reset", "observations", "agent 'user', not one of agent_ids ('assistant',)"),
         (TwoTurnsStuck, "step", "turns count up", "row 0 went from turn 0 to turn 0"),
@@ -369,7 +400,13 @@ class PlainSGD:
     """A protocol-only algorithm (no palestra.Algorithm): the learner calls hooks it does not have."""
 
     name, needs_reference, needs_value_head, routes_agents, shared_update_window, refill_rounds = (
-        "plain_sgd", False, False, False, False, 0)
+        "plain_sgd",
+        False,
+        False,
+        False,
+        False,
+        0,
+    )
 
     def bind(self, policy, context):
         pass
@@ -433,8 +470,13 @@ def test_a_broken_optimizer_is_caught(optimizer: type, method: str, rule: str, d
 
 
 def test_the_optimizer_check_runs_a_real_update_on_the_policy_given() -> None:
-    check_optimizer("grpo", {"beta": 0.05}, policy=TinyTransformerPolicy, policy_options={**TINY_POLICY, "seed": 3},
-                    train={"updates_per_batch": 2, "grad_accum": 2})
+    check_optimizer(
+        "grpo",
+        {"beta": 0.05},
+        policy=TinyTransformerPolicy,
+        policy_options={**TINY_POLICY, "seed": 3},
+        train={"updates_per_batch": 2, "grad_accum": 2},
+    )
 
 
 # policies ---------------------------------------------------------------------------------------------------
@@ -462,9 +504,18 @@ class ForgetsWeights(TinyTransformerPolicy):
 
 
 class NoAgentIds(TinyTransformerPolicy):  # the pre-2.0 signature: the learner's agent_ids would be a TypeError
-    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0, entropy=True, values=False):
-        return super().score(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
-                             entropy=entropy, values=values)
+    def score(
+        self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0, entropy=True, values=False
+    ):
+        return super().score(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature=temperature,
+            entropy=entropy,
+            values=values,
+        )
 
 
 class NoAgentIdsInDecode(TinyTransformerPolicy):  # the kv_cache generator hands every decode step the rows' agent ids
@@ -483,7 +534,9 @@ class NoAgentIdsInDecode(TinyTransformerPolicy):  # the kv_cache generator hands
     ],
 )
 def test_a_broken_policy_is_caught(policy: type, method: str, rule: str) -> None:
-    expect(caught(lambda: check_policy(small_tiny(policy), name=policy.__name__)), "policy", policy.__name__, method, rule)
+    expect(
+        caught(lambda: check_policy(small_tiny(policy), name=policy.__name__)), "policy", policy.__name__, method, rule
+    )
 
 
 # loggers ----------------------------------------------------------------------------------------------------
@@ -569,8 +622,9 @@ def test_the_fixture_fails_a_test_with_one_line(tmp_path: Path) -> None:
         "def test_format(palestra_contract):\n"
         "    palestra_contract('reward', 'format')\n"
     )
-    result = plugin_installs.run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], [], tmp_path,
-                                        OMP_NUM_THREADS="1")
+    result = plugin_installs.run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], [], tmp_path, OMP_NUM_THREADS="1"
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed, 1 passed" in result.stdout
     line = (
@@ -585,7 +639,8 @@ def test_the_fixture_fails_a_test_with_one_line(tmp_path: Path) -> None:
 @pytest.mark.pip_install
 def test_the_example_plugins_own_tests_use_the_kit_and_pass(sites: dict[str, Path], tmp_path: Path) -> None:
     shutil.copytree(REPO / "examples" / "palestra-example-plugin" / "tests", tmp_path / "tests")
-    result = plugin_installs.run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], [sites["example"]],
-                                        tmp_path, OMP_NUM_THREADS="1")
+    result = plugin_installs.run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], [sites["example"]], tmp_path, OMP_NUM_THREADS="1"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passed" in result.stdout and "palestra_contract" in (tmp_path / "tests" / "test_contract.py").read_text()

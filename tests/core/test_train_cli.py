@@ -15,6 +15,7 @@ import plugin_installs
 import pytest
 import torch
 import yaml
+
 from palestra import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,9 +30,16 @@ DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  #
 HF_EXAMPLES = ["hf_local", "smollm2_lora"]
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
-SUMMARY_PREFIXES = ("run: ", "environment: ", "reward: ", "policy: ", "optimizer: ", "generator: ", "loggers: ", "train: ")
-
-
+SUMMARY_PREFIXES = (
+    "run: ",
+    "environment: ",
+    "reward: ",
+    "policy: ",
+    "optimizer: ",
+    "generator: ",
+    "loggers: ",
+    "train: ",
+)
 
 
 def train(args: list[str], cwd: Path, sites: list[Path] = ()) -> subprocess.CompletedProcess[str]:
@@ -55,7 +63,7 @@ def test_train_prints_the_before_after_table_and_the_plot(tmp_path: Path) -> Non
     for row in lines[header + 2 :]:
         if row.startswith("  "):
             before, after = (float(x) for x in row.split()[-2:])
-            assert 0.0 <= before and 0.0 <= after
+            assert before >= 0.0 and after >= 0.0
     plots = [line for line in lines if line.startswith("plot: ")]
     assert len(plots) == 1 and plots[0].endswith(".png")
     png = Path(plots[0].removeprefix("plot: "))
@@ -119,12 +127,15 @@ def test_a_reward_from_a_failing_plugin_is_one_line_naming_the_distribution(
 def tiny_hf():
     pytest.importorskip("transformers")
     import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
+
     return tiny_hf
 
 
 @pytest.mark.slow
 def test_a_missing_model_folder_is_one_line(tmp_path: Path) -> None:
-    result = train(["policy.name=hf", "policy.options.path=/nonexistent", f"run.output_dir={tmp_path / 'runs'}"], tmp_path)
+    result = train(
+        ["policy.name=hf", "policy.options.path=/nonexistent", f"run.output_dir={tmp_path / 'runs'}"], tmp_path
+    )
     message = check_up_front_error(result, tmp_path, "policy.options.path: '/nonexistent' does not exist")
     assert "nothing is downloaded" in message
 
@@ -143,7 +154,14 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_one_line(tiny_hf, tmp_path: 
 # ---- the example configs --------------------------------------------------------------------------------------
 def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> None:
     assert sorted(p.stem for p in EXAMPLES) == sorted(
-        [*ALGORITHM_EXAMPLES, *HARDER_TASK_EXAMPLES, *MULTI_AGENT_EXAMPLES, *TEXTARENA_EXAMPLES, *DATA_EXAMPLES, *HF_EXAMPLES]
+        [
+            *ALGORITHM_EXAMPLES,
+            *HARDER_TASK_EXAMPLES,
+            *MULTI_AGENT_EXAMPLES,
+            *TEXTARENA_EXAMPLES,
+            *DATA_EXAMPLES,
+            *HF_EXAMPLES,
+        ]
     )
 
 
@@ -172,7 +190,10 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         assert [layer["name"] for layer in reward["options"]["layers"]] == ["format", "correctness"]
     elif path.stem in MULTI_AGENT_EXAMPLES:
         assert shown["environment"]["name"] == "customer_service" and shown["optimizer"]["name"] == "mappo"
-        assert shown["agents"] == {**written["agents"], **{k: v for k, v in shown["agents"].items() if k not in written["agents"]}}
+        assert shown["agents"] == {
+            **written["agents"],
+            **{k: v for k, v in shown["agents"].items() if k not in written["agents"]},
+        }
         weights = {c["name"]: c["weight"] for c in shown["reward"]["options"]["components"]}
         assert weights == {"fluency": 0.4, "factual": 0.4, "politeness": 0.2}
     elif path.stem in TEXTARENA_EXAMPLES:
@@ -213,11 +234,14 @@ def test_each_algorithm_example_trains(name: str, tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.slow
-def test_the_local_hf_example_trains_with_a_model_folder(tiny_hf, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_local_hf_example_trains_with_a_model_folder(
+    tiny_hf, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model_dir = tiny_hf.build_qwen2(tmp_path / "qwen2")  # has a chat template, as instruction-tuned models do
     run_dir = run_example(
         "hf_local", tmp_path, capsys, f"policy.options.path={model_dir}",
-        "train.batch_size=2", "train.group_size=2", "train.grad_accum=1", "train.max_new_tokens=4", "train.warmup_steps=0",
+        "train.batch_size=2", "train.group_size=2", "train.grad_accum=1", "train.max_new_tokens=4",
+        "train.warmup_steps=0",
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert state["config"]["policy"]["options"]["path"] == str(model_dir)
@@ -230,10 +254,13 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
     pytest.importorskip("peft")
     pytest.importorskip("gguf")
     import tiny_gguf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
+
     gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
     run_dir = run_example(
-        "smollm2_lora", tmp_path, capsys, f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
-        "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4", "policy.options.lora.target_modules=[q_proj,v_proj]",
+        "smollm2_lora", tmp_path, capsys,
+        f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}",
+        "train.batch_size=2", "train.group_size=2", "train.max_new_tokens=4",
+        "policy.options.lora.target_modules=[q_proj,v_proj]",
     )  # fmt: skip
     state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert state["policy_adapters"] is True  # only the adapters were saved
@@ -251,7 +278,9 @@ def test_the_builtin_run_learns_its_curriculum(tmp_path: Path) -> None:
     measured for the same config (README, "The second layer is fragile"). So this test asserts the curriculum, not
     the climb; the README reports the climb as measured figures."""
     out = tmp_path / "runs"
-    result = plugin_installs.run_palestra(["train", f"run.output_dir={out}", "loggers=[{name: jsonl}]"], [], tmp_path, timeout=900)
+    result = plugin_installs.run_palestra(
+        ["train", f"run.output_dir={out}", "loggers=[{name: jsonl}]"], [], tmp_path, timeout=900
+    )
     assert result.returncode == 0, result.stderr
     table = {}
     for line in result.stdout.splitlines():

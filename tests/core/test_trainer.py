@@ -19,11 +19,12 @@ from typing import Any
 import plugin_installs
 import pytest
 import torch
+
 from palestra import hookimpl
 from palestra.config import ComponentBuildError, Config, to_plain, validate_config
-from palestra.plugins.envs.relay import ROLES
 from palestra.engine.rollout import Rollout, collect
 from palestra.engine.trainer import Trainer, derive_seed
+from palestra.plugins.envs.relay import ROLES
 from palestra.types import Message, Observation, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,10 +36,12 @@ TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 256, 
 # Each algorithm with its options spelt out (today's defaults), so that tuning the defaults cannot move these tests.
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0},
-    "dr_grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "none", "loss_agg": "seq_mean_token_sum_norm", "entropy_coef": 0.0},
+    "dr_grpo": {"beta": 0.0, "clip_eps": 0.2, "scale": "none", "loss_agg": "seq_mean_token_sum_norm",
+                "entropy_coef": 0.0},
     "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "gamma": 1.0, "lam": 0.95, "clip_eps": 0.2, "clip_value": 0.2,
             "vf_coef": 0.1, "whiten_advantages": True, "entropy_coef": 0.0},
-    "rloo": {"kl_coef": 0.05, "kl_estimator": "k1", "clip_eps": 0.2, "normalize_advantages": False, "entropy_coef": 0.0},
+    "rloo": {"kl_coef": 0.05, "kl_estimator": "k1", "clip_eps": 0.2, "normalize_advantages": False,
+             "entropy_coef": 0.0},
     "reinforce": {"normalize": True, "norm_clip": 5.0, "baseline": "none", "replay_capacity": 0, "replay_rows": 0,
                   "entropy_coef": 0.0},
     "reinforce_pp": {"kl_coef": 0.01, "kl_estimator": "k1", "gamma": 1.0, "clip_eps": 0.2, "entropy_coef": 0.0},
@@ -57,11 +60,16 @@ FORMAT_THEN_CORRECTNESS = {
 }
 
 
-def make_config(*, seed: int = 0, algorithm: str = "grpo", train: dict[str, Any] | None = None, **sections: Any) -> Config:
+def make_config(
+    *, seed: int = 0, algorithm: str = "grpo", train: dict[str, Any] | None = None, **sections: Any
+) -> Config:
     """A validated config for the arithmetic task with the ``format`` reward, every setting explicit."""
     raw: dict[str, Any] = {
         "run": {"name": "test", "seed": seed, "output_dir": "runs"},
-        "environment": {"name": "arithmetic", "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="}},
+        "environment": {
+            "name": "arithmetic",
+            "options": {"difficulty": 1, "terms": 2, "operations": ["+"], "prompt": "{question} ="},
+        },
         "reward": {"name": "format", "options": {"tag": "answer"}},
         "policy": {"name": "tiny", "options": TINY},
         "optimizer": {"name": algorithm, "options": ALGORITHMS[algorithm]},
@@ -72,8 +80,6 @@ def make_config(*, seed: int = 0, algorithm: str = "grpo", train: dict[str, Any]
     }
     raw.update(sections)
     return validate_config(raw)
-
-
 
 
 def mean(values: list[float]) -> float:
@@ -101,8 +107,13 @@ def without_timings(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in metrics.items() if not k.startswith("perf/")} for metrics in history]
 
 
-def short_run(seed: int, algorithm: str, run_dir: Path) -> tuple[list[dict[str, float]], Any, Any, dict[str, torch.Tensor]]:
-    trainer = Trainer(make_config(seed=seed, algorithm=algorithm, train={"steps": 3, "batch_size": 4, "eval_size": 4}), run_dir=run_dir)
+def short_run(
+    seed: int, algorithm: str, run_dir: Path
+) -> tuple[list[dict[str, float]], Any, Any, dict[str, torch.Tensor]]:
+    trainer = Trainer(
+        make_config(seed=seed, algorithm=algorithm, train={"steps": 3, "batch_size": 4, "eval_size": 4}),
+        run_dir=run_dir,
+    )
     result = trainer.train()
     return without_timings(result.history), result.before, result.after, trainer.policy.state_dict()
 
@@ -140,7 +151,9 @@ def check_rows_match_generations(ro: Rollout, batch: Any) -> None:
     for i, (e, c, r) in enumerate(ro.rows()):
         g = ro.generations[c]
         assert g.texts[r] == ro.episodes[e].turns[c].completion
-        assert trimmed(batch.completion_ids[i], batch.completion_mask[i]) == trimmed(g.completion_ids[r], g.completion_mask[r])
+        assert trimmed(batch.completion_ids[i], batch.completion_mask[i]) == trimmed(
+            g.completion_ids[r], g.completion_mask[r]
+        )
         assert trimmed(batch.prompt_ids[i], batch.prompt_mask[i]) == trimmed(g.prompt_ids[r], g.prompt_mask[r])
         assert torch.equal(batch.behaviour_logprobs[i][batch.completion_mask[i]], g.logprobs[r][g.completion_mask[r]])
 
@@ -199,7 +212,9 @@ class UnevenEpisodes:
         assert [a is not None for a in actions] == live, "actions must be given exactly for the live rows"
         self.turn += 1
         obs = [self.observation(i) if self.turn < n else None for i, n in enumerate(self.lengths)]
-        return StepResult(obs, [o is None for o in obs], [{self.agent_ids[self.turn - 1]: {}} if ok else {} for ok in live])
+        return StepResult(
+            obs, [o is None for o in obs], [{self.agent_ids[self.turn - 1]: {}} if ok else {} for ok in live]
+        )
 
 
 def test_episodes_of_different_lengths_keep_their_turns_together() -> None:
@@ -243,7 +258,9 @@ def test_single_turn_rollout_rows_are_the_generation_rows_with_consecutive_group
     assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert batch.agent_ids == ["assistant"] * 12
     questions = [m["question"] for m in batch.metadata]
-    assert all(questions[3 * k] == questions[3 * k + 1] == questions[3 * k + 2] for k in range(4))  # a group shares its task
+    assert all(
+        questions[3 * k] == questions[3 * k + 1] == questions[3 * k + 2] for k in range(4)
+    )  # a group shares its task
 
 
 # ---- a test plugin: an environment that records what it was asked, and one failing component of each kind ----
@@ -276,7 +293,9 @@ PLUGIN_SOURCE = textwrap.dedent(
 
     @hookimpl
     def register_environments(register):
-        register("recording_arithmetic", RecordingArithmetic, options=ArithmeticOptions, description="arithmetic, recorded")
+        register(
+            "recording_arithmetic", RecordingArithmetic, options=ArithmeticOptions, description="arithmetic, recorded"
+        )
         register("failing_environment", failing("environment"))
 
 
@@ -446,6 +465,7 @@ def test_a_reward_from_the_example_plugin_drives_a_training_run(sites, tmp_path:
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     import tiny_hf  # tests/fixtures: on sys.path by pyproject's [tool.pytest.ini_options] pythonpath
+
     return tiny_hf.build_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
@@ -473,7 +493,9 @@ def test_the_checkpoint_is_written_atomically_at_the_end(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_text("a stale checkpoint from an earlier run")
-    config = make_config(reward=FORMAT_THEN_CORRECTNESS, algorithm="ppo", train={"steps": 2, "batch_size": 2, "eval_size": 2})
+    config = make_config(
+        reward=FORMAT_THEN_CORRECTNESS, algorithm="ppo", train={"steps": 2, "batch_size": 2, "eval_size": 2}
+    )
     trainer = Trainer(config, run_dir=run_dir)
     trainer.train()
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint.pt"]  # replaced, and no temporary file left
@@ -488,13 +510,15 @@ def test_the_checkpoint_is_written_atomically_at_the_end(tmp_path: Path) -> None
     assert state["config"] == config.to_dict()
 
 
-def test_a_checkpoint_that_fails_to_save_leaves_the_previous_one_and_no_temporary_file(test_plugin, tmp_path: Path) -> None:
+def test_a_checkpoint_that_fails_to_save_leaves_the_previous_one_and_no_temporary_file(
+    test_plugin, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_text("the previous checkpoint")
     config = make_config(run={"name": "unpicklable", "seed": 0, "output_dir": "runs"}, train={"batch_size": 2})
     trainer = Trainer(config, run_dir=run_dir)
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(Exception, match=r"pickle|lambda"):
         trainer.save()
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint.pt"]
     assert (run_dir / "checkpoint.pt").read_text() == "the previous checkpoint"
@@ -545,7 +569,9 @@ def test_refill_advances_the_reward_ema_once_per_step_over_every_kept_row(tmp_pa
     # one update per step: the first step's EMA is its mean, the second moves once from it
     assert steps[0]["reward/ema"] == steps[0]["reward/mean"]
     decay = config.train.reward_ema
-    assert steps[1]["reward/ema"] == pytest.approx(decay * steps[0]["reward/mean"] + (1 - decay) * steps[1]["reward/mean"])
+    assert steps[1]["reward/ema"] == pytest.approx(
+        decay * steps[0]["reward/mean"] + (1 - decay) * steps[1]["reward/mean"]
+    )
 
 
 class _LifecycleRecorder:

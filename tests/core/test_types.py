@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -32,7 +33,9 @@ class Echo:
             self.turn[i] += 1
             finished = "bye" in action
             nxt = self.agent_ids[self.turn[i] % 2]
-            obs.append(None if finished else Observation(f"heard {action}", nxt, metadata={"row": i}, turn=self.turn[i]))
+            obs.append(
+                None if finished else Observation(f"heard {action}", nxt, metadata={"row": i}, turn=self.turn[i])
+            )
             done.append(finished)
             info.append({agent: {"said": action}})
         return StepResult(obs, done, info)
@@ -51,7 +54,7 @@ def test_run_episodes_records_turns_and_truncation() -> None:
     assert [t.agent_id for t in episodes[1].turns] == ["speaker", "listener"] * 2 and episodes[1].truncated
     assert episodes[0].turns[1].info == {"said": "bye"}
     assert episodes[1].turns[1].observation.prompt == "heard hi from speaker"
-    prompts, completions, metadata = reward_rows(episodes, "speaker")
+    _prompts, completions, metadata = reward_rows(episodes, "speaker")
     assert completions == ["hi from speaker", "hi from speaker"] and [m["turn"] for m in metadata] == [0, 2]
     with pytest.raises(ValueError, match="the responder returned 1 completions for 2 observations"):
         run_episodes(env, lambda obs: ["x"], 2)
@@ -72,7 +75,7 @@ def test_episode_helpers() -> None:
     assert ep.agents == ["a", "b"] and [t.completion for t in ep.by_agent("a")] == ["x", "z"]
     assert ep.last.completion == "z" and ep.transcript() == "[0] a: x\n[1] b: y\n[2] a: z"
     with pytest.raises(ValueError, match="no turns"):
-        Episode().last
+        _ = Episode().last
 
 
 def experience(b: int = 3, t: int = 5, p: int = 4, **changes: object) -> Experience:
@@ -101,16 +104,31 @@ def test_experience_validate_accepts_consistent_batches() -> None:
     ("changes", "expected"),
     [
         ({"rewards": torch.rand(2)}, "Experience.rewards: expected shape [3] (B=3, T=5), got [2]"),
-        ({"advantages": torch.rand(3, 4)}, "Experience.advantages: expected shape [3] or [3, 5] (B=3, T=5), got [3, 4]"),
-        ({"completion_mask": torch.ones(3, 5)}, "Experience.completion_mask: expected dtype torch.bool, got torch.float32"),
+        (
+            {"advantages": torch.rand(3, 4)},
+            "Experience.advantages: expected shape [3] or [3, 5] (B=3, T=5), got [3, 4]",
+        ),
+        (
+            {"completion_mask": torch.ones(3, 5)},
+            "Experience.completion_mask: expected dtype torch.bool, got torch.float32",
+        ),
         ({"group_ids": torch.zeros(3)}, "Experience.group_ids: expected dtype torch.int64, got torch.float32"),
-        ({"rewards": torch.ones(3, dtype=torch.int64)}, "Experience.rewards: expected a floating dtype, got torch.int64"),
+        (
+            {"rewards": torch.ones(3, dtype=torch.int64)},
+            "Experience.rewards: expected a floating dtype, got torch.int64",
+        ),
         ({"agent_ids": ["a"]}, "Experience.agent_ids: expected 3 entries, got 1"),
-        ({"reward_components": {"format": torch.ones(4)}}, "Experience.reward_components['format']: expected shape [3]"),
-        ({"completion_ids": torch.zeros(3, dtype=torch.int64)}, "Experience.completion_ids: expected shape [B, T], got [3]"),
+        (
+            {"reward_components": {"format": torch.ones(4)}},
+            "Experience.reward_components['format']: expected shape [3]",
+        ),
+        (
+            {"completion_ids": torch.zeros(3, dtype=torch.int64)},
+            "Experience.completion_ids: expected shape [B, T], got [3]",
+        ),
     ],
 )
 def test_experience_validate_names_the_field(changes: dict[str, object], expected: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}") as info:
         experience(**changes).validate()
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)

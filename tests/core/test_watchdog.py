@@ -16,6 +16,7 @@ from pathlib import Path
 
 import plugin_installs
 import pytest
+
 from palestra.engine.watchdog import DataTimeout, StepWatchdog, call_with_timeout
 
 MESSAGE = "palestra: step watchdog: phase '{phase}' of step {step} has run"
@@ -167,20 +168,33 @@ SLOW_TRAIN = """
         time.sleep(60)
 
     registry = get_registry()
-    for kind, name, factory in (("environment", "slow_arithmetic", SlowArithmetic), ("reward", "slow_reward", SlowReward)):
+    slow = (("environment", "slow_arithmetic", SlowArithmetic), ("reward", "slow_reward", SlowReward))
+    for kind, name, factory in slow:
         registry.add(Registration(kind, name, factory, None, "deliberately slow", "test_watchdog", None))
     sys.exit(cli.main(["train", *sys.argv[1:]]))
 """
 
 
-def slow_train(tmp_path: Path, environment: str, reward: str, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def slow_train(
+    tmp_path: Path, environment: str, reward: str, *overrides: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     config = tmp_path / "slow.yaml"
     config.write_text(f"environment:\n  name: {environment}\nreward:\n  name: {reward}\n")
     script = tmp_path / "slow_train.py"
     script.write_text(textwrap.dedent(SLOW_TRAIN))
-    args = [str(script), "--config", str(config), "train.batch_size=2", "train.group_size=2", "train.steps=2",
-            "train.eval_size=3", "train.max_new_tokens=4", "kernels.backend=torch", f"run.output_dir={tmp_path / 'runs'}",
-            *overrides]
+    args = [
+        str(script),
+        "--config",
+        str(config),
+        "train.batch_size=2",
+        "train.group_size=2",
+        "train.steps=2",
+        "train.eval_size=3",
+        "train.max_new_tokens=4",
+        "kernels.backend=torch",
+        f"run.output_dir={tmp_path / 'runs'}",
+        *overrides,
+    ]
     started = time.monotonic()
     result = plugin_installs.run_python(args, [], tmp_path, timeout=120, OMP_NUM_THREADS="1")
     return result, time.monotonic() - started
@@ -192,7 +206,9 @@ def test_palestra_train_with_a_hung_reward_exits_70_naming_the_reward_phase(tmp_
     assert result.returncode == 70, result.stderr[-2000:]
     assert seconds < 50  # start-up, one evaluation, then 2 s of waiting: not the 60 s the reward would hang
     message = [line for line in result.stderr.splitlines() if line.startswith("palestra: step watchdog:")]
-    assert len(message) == 1 and message[0].startswith("palestra: step watchdog: phase 'reward' of step "), result.stderr
+    assert len(message) == 1 and message[0].startswith("palestra: step watchdog: phase 'reward' of step "), (
+        result.stderr
+    )
     assert "(> train.step_timeout_s=2); stacks follow" in message[0]
     assert "in wait_for_the_reward_server" in result.stderr  # the stuck stack, down from the step
     assert re.search(r"trainer\.py\", line \d+ in step\n", result.stderr), result.stderr

@@ -374,6 +374,7 @@ def test_opcheck_triton(name):
 def test_compile_fullgraph(compile_backend):
     if compile_backend == "triton":
         pytest.importorskip("triton")
+
     def advantages_step(r, v, m, seq_rewards):
         adv, ret = K.gae(r, v, m, 0.99, 0.95)
         white = K.discounted_returns(r, m, 0.99)
@@ -549,7 +550,9 @@ void launch(dim3 grid, dim3 blockdim, F body) {
 #define threadIdx emu::tid
 #define blockIdx emu::bid
 #define blockDim emu::bdim
-template <class T> T __shfl_up_sync(unsigned, T v, int off) { return emu::exchange(v, emu::lane >= off ? emu::lane - off : emu::lane); }
+template <class T> T __shfl_up_sync(unsigned, T v, int off) {
+  return emu::exchange(v, emu::lane >= off ? emu::lane - off : emu::lane);
+}
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) { return emu::exchange(v, emu::lane ^ m); }
 template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, src); }
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
@@ -582,13 +585,25 @@ def _build_host_emulation(out: Path) -> ctypes.CDLL:
     (out / "advantages_host.cpp").write_text(source)
     (out / "main.cpp").write_text(_EMULATION_MAIN)
     so = out / "advantages_host.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-I", str(out), "-I", str(cu_dir)]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O1",
+        "-pthread",
+        "-shared",
+        "-fPIC",
+        "-fno-gnu-unique",
+        "-I",
+        str(out),
+        "-I",
+        str(cu_dir),
+    ]
     proc = subprocess.run([*cmd, str(out / "main.cpp"), "-o", str(so)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
-    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.emu_reverse_scan.argtypes = [P, P, P, P, P, P, I, I, F, F, F]
-    lib.emu_group.argtypes = [P, P, P, I, I, ctypes.c_int, F]
+    P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.emu_reverse_scan.argtypes = [P, P, P, P, P, P, I64, I64, F, F, F]
+    lib.emu_group.argtypes = [P, P, P, I64, I64, ctypes.c_int, F]
     return lib
 
 
@@ -606,14 +621,26 @@ def test_cuda_kernels_under_host_emulation(tmp_path):
         for gamma, lam in [(0.99, 0.95), (1.0, 1.0), (0.0, 0.5), (0.8, 0.0)]:
             adv, ret, out = (torch.full((B, T), 7.0) for _ in range(3))
             c = gamma * lam
-            rc = lib.emu_reverse_scan(r.data_ptr(), v.data_ptr(), m.data_ptr(), boot.data_ptr(), adv.data_ptr(),
-                                      ret.data_ptr(), B, T, gamma, c, log2_floor(c))
+            rc = lib.emu_reverse_scan(
+                r.data_ptr(),
+                v.data_ptr(),
+                m.data_ptr(),
+                boot.data_ptr(),
+                adv.data_ptr(),
+                ret.data_ptr(),
+                B,
+                T,
+                gamma,
+                c,
+                log2_floor(c),
+            )
             assert rc == 0
             eadv, eret = oracle_gae(r, v, m, boot, gamma, lam)
             assert_close(adv, eadv, what=f"cuda(emulated) gae {B}x{T} {gamma} {lam}")
             assert_close(ret, eret, what=f"cuda(emulated) gae returns {B}x{T} {gamma} {lam}")
-            rc = lib.emu_reverse_scan(r.data_ptr(), None, m.data_ptr(), None, out.data_ptr(), None, B, T, gamma,
-                                      gamma, log2_floor(gamma))
+            rc = lib.emu_reverse_scan(
+                r.data_ptr(), None, m.data_ptr(), None, out.data_ptr(), None, B, T, gamma, gamma, log2_floor(gamma)
+            )
             assert rc == 0
             assert_close(out, oracle_returns(r, m, gamma), what=f"cuda(emulated) returns {B}x{T} {gamma}")
     workspace = torch.zeros(1)
@@ -648,7 +675,9 @@ def compile_kernel(fn, signature, constexprs):
 
 
 f32p = "*fp32"
-scan = dict(r_ptr=f32p, v_ptr=f32p, m_ptr="*u8", boot_ptr=f32p, adv_ptr=f32p, ret_ptr=f32p, T="i32", gamma="fp32", log2c="fp32")
+scan = dict(
+    r_ptr=f32p, v_ptr=f32p, m_ptr="*u8", boot_ptr=f32p, adv_ptr=f32p, ret_ptr=f32p, T="i32", gamma="fp32", log2c="fp32"
+)
 for has_values in (True, False):
     compile_kernel(TA._reverse_scan_kernel, scan, dict(HAS_VALUES=has_values, BLOCK=1024))
 compile_kernel(TA._batch_std_kernel, dict(r_ptr=f32p, out_ptr=f32p, N="i32"), dict(BLOCK=1024))

@@ -139,15 +139,22 @@ def compare_with_reference(op: str, backend: str, runs: dict[str, list[dict]]) -
             assert ours is not None and ours["error"] is None and ours["seconds"] > 0, (
                 f"auto picks {backend} for {op} on the CPU, but {name} has no timing of it at {size}"
             )
-            others = [row for impl, row in at_size.items()
-                      if impl not in (backend, REFERENCE) and row["baseline"] and row["error"] is None
-                      and impl not in NOT_A_REFERENCE]
+            others = [
+                row
+                for impl, row in at_size.items()
+                if impl not in (backend, REFERENCE)
+                and row["baseline"]
+                and row["error"] is None
+                and impl not in NOT_A_REFERENCE
+            ]
             reference = at_size.get(REFERENCE)
             if reference is not None:
                 assert reference["error"] is None, f"{name}: the torch reference failed for {op} at {size}"
                 references = [reference]
-                peers += [f"{name} {size}: {_ms(ours)} vs peer {_ms(p)} ({p['seconds'] / ours['seconds']:.2f}x)"
-                          for p in others]
+                peers += [
+                    f"{name} {size}: {_ms(ours)} vs peer {_ms(p)} ({p['seconds'] / ours['seconds']:.2f}x)"
+                    for p in others
+                ]
             else:
                 references = others
             assert references, f"{name}: {op} at {size} has no reference timing to compare with"
@@ -172,7 +179,7 @@ def test_the_torch_reference_is_timed_in_every_run():
     """The group ops were re-measured with the torch row; any op timed against torch in one run is in all."""
     runs = _runs()
     timed = {row["op"] for rows in runs.values() for row in rows if row["impl"] == REFERENCE}
-    assert TORCH_TIMED <= timed, f"no torch row for {sorted(TORCH_TIMED - timed)}"
+    assert timed >= TORCH_TIMED, f"no torch row for {sorted(TORCH_TIMED - timed)}"
     for name, rows in runs.items():
         for op in timed:
             sizes = {row["size"] for row in rows if row["op"] == op}
@@ -190,7 +197,8 @@ def test_auto_never_picks_a_back_end_the_benchmark_shows_slower_than_torch(op, a
     slower, peers = compare_with_reference(op, backend, _runs())
     assert not slower, (
         f"auto picks {backend} for {op} on the CPU, which the benchmark shows slower than the reference: "
-        + "; ".join(slower) + (" (peers, not the rule: " + "; ".join(peers) + ")" if peers else "")
+        + "; ".join(slower)
+        + (" (peers, not the rule: " + "; ".join(peers) + ")" if peers else "")
     )
 
 
@@ -209,21 +217,35 @@ def _row(impl: str, us: float, baseline: bool, op: str = "rloo_advantages", size
 
 def test_the_check_fails_on_a_back_end_slower_than_torch_and_follows_torch_not_the_peer():
     # cpp slower than torch (though faster than the peer): flagged
-    slower, _ = compare_with_reference("rloo_advantages", "cpp", {
-        "a.json": [_row("cpp", 30, False), _row("torch", 25, True), _row("torch-eager", 40, True)]})
+    slower, _ = compare_with_reference(
+        "rloo_advantages",
+        "cpp",
+        {"a.json": [_row("cpp", 30, False), _row("torch", 25, True), _row("torch-eager", 40, True)]},
+    )
     assert len(slower) == 1 and "cpp 0.0300 ms vs torch 0.0250 ms" in slower[0], slower
     # slower than torch in one run of two: flagged
-    slower, _ = compare_with_reference("rloo_advantages", "cpp", {
-        "a.json": [_row("cpp", 8, False), _row("torch", 25, True)],
-        "b.json": [_row("cpp", 26, False), _row("torch", 25, True)]})
+    slower, _ = compare_with_reference(
+        "rloo_advantages",
+        "cpp",
+        {
+            "a.json": [_row("cpp", 8, False), _row("torch", 25, True)],
+            "b.json": [_row("cpp", 26, False), _row("torch", 25, True)],
+        },
+    )
     assert len(slower) == 1 and slower[0].startswith("b.json"), slower
     # faster than torch, slower than the bare peer: allowed, the peer only reported
-    slower, peers = compare_with_reference("rloo_advantages", "cpp", {
-        "a.json": [_row("cpp", 10, False), _row("torch", 20, True), _row("torch-eager", 9, True)]})
+    slower, peers = compare_with_reference(
+        "rloo_advantages",
+        "cpp",
+        {"a.json": [_row("cpp", 10, False), _row("torch", 20, True), _row("torch-eager", 9, True)]},
+    )
     assert slower == [] and len(peers) == 1 and "peer torch-eager" in peers[0], (slower, peers)
     # no torch row in a run: the peers stand in
-    slower, _ = compare_with_reference("gae", "cpp", {
-        "a.json": [_row("cpp", 10, False, "gae"), _row("verl-loop", 9, True, "gae"), _row("sum", 5, True, "gae")]})
+    slower, _ = compare_with_reference(
+        "gae",
+        "cpp",
+        {"a.json": [_row("cpp", 10, False, "gae"), _row("verl-loop", 9, True, "gae"), _row("sum", 5, True, "gae")]},
+    )
     assert len(slower) == 1 and "verl-loop" in slower[0], slower
     # a back end auto picks that the run never timed: an error, not a pass
     with pytest.raises(AssertionError, match="has no timing of it"):

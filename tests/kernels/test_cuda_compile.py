@@ -63,6 +63,8 @@ def _cuda_torch_include() -> list[str] | None:
 
 
 CUDA_TORCH_INCLUDE = _cuda_torch_include()
+
+
 def _cuda_toolkit_include() -> Path | None:
     import os
 
@@ -77,10 +79,24 @@ def _cuda_toolkit_include() -> Path | None:
 CUDA_HOME_INCLUDE = _cuda_toolkit_include()
 
 
-@pytest.mark.skipif(CUDA_TORCH_INCLUDE is None or CUDA_HOME_INCLUDE is None, reason="needs a CUDA torch's headers and the CUDA toolkit")
+@pytest.mark.skipif(
+    CUDA_TORCH_INCLUDE is None or CUDA_HOME_INCLUDE is None, reason="needs a CUDA torch's headers and the CUDA toolkit"
+)
 @pytest.mark.parametrize("binding", sorted((csrc_dir() / "cuda").glob("*_binding.cpp")), ids=lambda p: p.name)
 def test_cuda_binding_compiles_against_a_cuda_torch(binding: Path, tmp_path: Path):
-    cmd = ["g++", "-std=c++20", "-fPIC", "-c", str(binding), "-o", str(tmp_path / "binding.o"), "-I", str(binding.parent), "-I", str(csrc_dir())]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-fPIC",
+        "-c",
+        str(binding),
+        "-o",
+        str(tmp_path / "binding.o"),
+        "-I",
+        str(binding.parent),
+        "-I",
+        str(csrc_dir()),
+    ]
     for inc in [*CUDA_TORCH_INCLUDE, str(CUDA_HOME_INCLUDE)]:
         cmd += ["-I", inc]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -6,7 +6,6 @@ gradcheck and opcheck; what autograd saves; and CausalLMPolicy.score, fused, aga
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -44,7 +43,7 @@ def make_inputs(lead, hidden_size, vocab, *, dtype=torch.float32, weight_dtype=N
     gen = fresh_generator()
     hidden = torch.randn(*lead, hidden_size, generator=gen, dtype=torch.float64).to(dtype)
     # scale 3 / sqrt(H): logits of spread ~3, peaked enough that the entropy is far from log V
-    weight = (torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64) * 3 / hidden_size**0.5)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64) * 3 / hidden_size**0.5
     weight = weight.to(weight_dtype or dtype)
     b = torch.randn(vocab, generator=gen, dtype=torch.float64).to(weight_dtype or dtype) if bias else None
     targets = torch.randint(0, vocab, lead, generator=gen)
@@ -78,7 +77,9 @@ def check_against_reference(hidden, weight, bias, targets, temperature, *, tol, 
         assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
         # the gradients are rounded to their input's dtype: compare relative to the largest entry
         scale = w.abs().max().item()
-        torch.testing.assert_close(g.double(), w, atol=grad_tol * scale, rtol=grad_tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            g.double(), w, atol=grad_tol * scale, rtol=grad_tol, msg=lambda m, name=name: f"{name}: {m}"
+        )
     ignored = targets == IGNORE
     assert (logp[ignored] == 0).all() and (got[0][ignored] == 0).all()
 
@@ -101,12 +102,14 @@ SHAPES = [((1,), 8, 17, 1), ((37,), 16, 101, 5), ((9,), 4, 32003, 4), ((3, 5), 1
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fp32_matches_float64(backend, lead, hidden_size, vocab, rows, temperature):
     hidden, weight, bias, targets = make_inputs(lead, hidden_size, vocab, bias=rows % 2 == 1)
-    check_against_reference(hidden, weight, bias, targets, temperature, tol=2e-5, grad_tol=2e-5,
-                            chunk_bytes=rows * vocab * 4)
+    check_against_reference(
+        hidden, weight, bias, targets, temperature, tol=2e-5, grad_tol=2e-5, chunk_bytes=rows * vocab * 4
+    )
 
 
-@pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, None), (torch.float16, None),
-                                                (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,weight_dtype", [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, torch.float32)]
+)
 def test_half_precision_inputs_compute_in_fp32(backend, dtype, weight_dtype):
     """The logits are computed in fp32 from the rounded inputs, so only the gradients' final rounding shows."""
     hidden, weight, bias, targets = make_inputs((23,), 16, 97, dtype=dtype, weight_dtype=weight_dtype)
@@ -115,8 +118,9 @@ def test_half_precision_inputs_compute_in_fp32(backend, dtype, weight_dtype):
 
 def test_entropy_off_returns_none_and_the_logp_gradient(backend):
     hidden, weight, bias, targets = make_inputs((13,), 8, 40)
-    check_against_reference(hidden, weight, bias, targets, 1.3, tol=2e-5, grad_tol=2e-5, entropy=False,
-                            chunk_bytes=4 * 40 * 4)
+    check_against_reference(
+        hidden, weight, bias, targets, 1.3, tol=2e-5, grad_tol=2e-5, entropy=False, chunk_bytes=4 * 40 * 4
+    )
 
 
 def test_entropy_alone_gets_its_gradient(backend):
@@ -133,8 +137,9 @@ def test_entropy_alone_gets_its_gradient(backend):
 def test_triton_back_end_under_the_interpreter():
     pytest.importorskip("triton")
     hidden, weight, bias, targets = make_inputs((7,), 8, 45)
-    check_against_reference(hidden, weight, bias, targets, 0.9, tol=2e-5, grad_tol=2e-5, chunk_bytes=3 * 45 * 4,
-                            backend="triton")
+    check_against_reference(
+        hidden, weight, bias, targets, 0.9, tol=2e-5, grad_tol=2e-5, chunk_bytes=3 * 45 * 4, backend="triton"
+    )
 
 
 def test_empty_input(backend):
@@ -175,8 +180,9 @@ def test_gradcheck_float64(bias):
     inputs = [t.requires_grad_(True) for t in (hidden, weight) + ((b,) if bias else ())]
 
     def fn(h, w, *maybe_bias):
-        return K.linear_logprob_entropy(h, w, maybe_bias[0] if maybe_bias else None, targets, 0.8,
-                                        chunk_bytes=3 * 11 * 4)
+        return K.linear_logprob_entropy(
+            h, w, maybe_bias[0] if maybe_bias else None, targets, 0.8, chunk_bytes=3 * 11 * 4
+        )
 
     logp, ent = fn(*inputs)
     assert logp.dtype == torch.float64
@@ -192,15 +198,37 @@ def test_opcheck(op_backend):
     K.linear_logprob_entropy(torch.randn(2, 4), torch.randn(5, 4), None, torch.tensor([0, 1]), backend=op_backend)
     hidden, weight, bias, targets = make_inputs((6,), 4, 9)
     for b in (bias, None):
-        args = (hidden.requires_grad_(True), weight.requires_grad_(True),
-                None if b is None else b.requires_grad_(True), targets, 0.9, IGNORE, 4, op_backend)
+        args = (
+            hidden.requires_grad_(True),
+            weight.requires_grad_(True),
+            None if b is None else b.requires_grad_(True),
+            targets,
+            0.9,
+            IGNORE,
+            4,
+            op_backend,
+        )
         torch.library.opcheck(torch.ops.palestra_fused.linear_logprob_entropy, args)
-    logp, ent, lse = torch.ops.palestra_fused.linear_logprob_entropy(hidden, weight, bias, targets, 0.9, IGNORE, 4,
-                                                                      op_backend)
+    _logp, ent, lse = torch.ops.palestra_fused.linear_logprob_entropy(
+        hidden, weight, bias, targets, 0.9, IGNORE, 4, op_backend
+    )
     g = torch.randn(6)
     for needs in ((True, True, True), (True, False, False), (False, True, True)):
-        args = (g, g * 0.5, hidden.detach(), weight.detach(), bias.detach(), targets, lse.detach(), ent.detach(),
-                0.9, IGNORE, 4, op_backend, *needs)
+        args = (
+            g,
+            g * 0.5,
+            hidden.detach(),
+            weight.detach(),
+            bias.detach(),
+            targets,
+            lse.detach(),
+            ent.detach(),
+            0.9,
+            IGNORE,
+            4,
+            op_backend,
+            *needs,
+        )
         torch.library.opcheck(torch.ops.palestra_fused.linear_logprob_entropy_backward, args)
 
 
@@ -214,6 +242,7 @@ def test_autograd_keeps_no_vocabulary_sized_tensor(backend):
 
     def saved_bytes(fn) -> tuple[int, int]:
         extra, largest = {}, 0
+
         def pack(t):
             nonlocal largest
             ptr = t.untyped_storage().data_ptr()
@@ -221,6 +250,7 @@ def test_autograd_keeps_no_vocabulary_sized_tensor(backend):
                 extra[ptr] = t.untyped_storage().nbytes()
                 largest = max(largest, t.numel())
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn()
         return sum(extra.values()), largest
@@ -306,15 +336,16 @@ def assert_score_equals_unfused(policy, seed: int, temperature: float = 0.8, tol
     assert (scores.logprobs[~completion_mask] == 0).all() and (scores.entropy[~completion_mask] == 0).all()
     for (name, _), g, w in zip([(n, p) for n, p in policy.named_parameters() if p.requires_grad], got, want):
         atol = tol * max(1.0, w.abs().max().item())
-        torch.testing.assert_close(g, w, atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, w, atol=atol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.usefixtures("always_fused")
 def test_tiny_policy_score_is_fused_and_equals_the_unfused_path(tie):
     policy = build_component(
-        "policy", {"name": "tiny", "options": {"d_model": 32, "d_ff": 64, "seed": 3, "tie_embeddings": tie,
-                                               "init_std": 0.3}}, path="policy",
+        "policy",
+        {"name": "tiny", "options": {"d_model": 32, "d_ff": 64, "seed": 3, "tie_embeddings": tie, "init_std": 0.3}},
+        path="policy",
     )
     weight, bias = policy.fusable_head()
     assert weight is policy.output_head().weight and bias is None
@@ -329,7 +360,9 @@ def test_score_fuses_only_when_the_logits_would_be_large(monkeypatch: pytest.Mon
     calls = []
     fused = K.linear_logprob_entropy
     monkeypatch.setattr(K, "linear_logprob_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    policy = build_component("policy", {"name": "tiny", "options": {"d_model": 32, "d_ff": 64, "seed": 3}}, path="policy")
+    policy = build_component(
+        "policy", {"name": "tiny", "options": {"d_model": 32, "d_ff": 64, "seed": 3}}, path="policy"
+    )
     batch = batch_for(policy, 5)
     small = policy.score(*batch)
     assert calls == []  # a few KiB of logits: the unfused path, bitwise as before the fused op existed
@@ -355,8 +388,10 @@ def hf_policies(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny-hf-fused")
     folders = {"llama": tiny_hf.build_llama(root / "llama"), "qwen2": tiny_hf.build_qwen2(root / "qwen2")}
-    return {name: build_component("policy", {"name": "hf", "options": {"path": str(path)}}, path="policy")
-            for name, path in folders.items()}
+    return {
+        name: build_component("policy", {"name": "hf", "options": {"path": str(path)}}, path="policy")
+        for name, path in folders.items()
+    }
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

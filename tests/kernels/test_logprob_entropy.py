@@ -174,15 +174,28 @@ def test_cpp_portable_loops(monkeypatch, dtype):
     monkeypatch.setenv("PALESTRA_CPU_PORTABLE", "1")
     logits, tokens = make_inputs((3, 2), 4500, dtype=dtype)
     grad_rtol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-    check_against_reference(logits, tokens, 0.9, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol,
-                            backend="cpp")
+    check_against_reference(
+        logits, tokens, 0.9, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol, backend="cpp"
+    )
 
 
 # Columns where the C++ loops change hands: vector lanes (8 for AVX2 and the portable loops, 16 for
 # AVX-512), the 2048-column blocks, and the scalar tail of a vocabulary that is not a multiple of 8.
 _VOCAB_WITH_TAIL = 2 * 2048 + 13
-_EDGE_TOKENS = [0, 7, 8, 15, 16, 31, 2047, 2048, 2049, _VOCAB_WITH_TAIL - 13, _VOCAB_WITH_TAIL - 6,
-                _VOCAB_WITH_TAIL - 1]
+_EDGE_TOKENS = [
+    0,
+    7,
+    8,
+    15,
+    16,
+    31,
+    2047,
+    2048,
+    2049,
+    _VOCAB_WITH_TAIL - 13,
+    _VOCAB_WITH_TAIL - 6,
+    _VOCAB_WITH_TAIL - 1,
+]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["widest-simd", "portable"])
@@ -196,8 +209,9 @@ def test_cpp_tokens_at_lane_block_and_tail_edges(monkeypatch, portable, dtype):
     logits, _ = make_inputs((len(_EDGE_TOKENS),), _VOCAB_WITH_TAIL, dtype=dtype, ignored=0.0)
     tokens = torch.tensor(_EDGE_TOKENS)
     grad_rtol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-    check_against_reference(logits, tokens, 0.8, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol,
-                            backend="cpp")
+    check_against_reference(
+        logits, tokens, 0.8, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=grad_rtol, backend="cpp"
+    )
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["widest-simd", "portable"])
@@ -246,8 +260,7 @@ def test_unbatched_logits(backend):
 def test_torch_reference_chunks_rows(monkeypatch):
     logits, tokens = make_inputs((7,), 500)
     monkeypatch.setattr(LE, "_REFERENCE_CHUNK_ELEMENTS", 1000)  # two rows per chunk, a short last chunk
-    check_against_reference(logits, tokens, 1.0, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=1e-4,
-                            backend="torch")
+    check_against_reference(logits, tokens, 1.0, atol=2e-5, rtol=2e-5, grad_atol=1e-6, grad_rtol=1e-4, backend="torch")
 
 
 # ---- torch.library checks and torch.compile ----------------------------------------------------------
@@ -255,19 +268,23 @@ def test_torch_reference_chunks_rows(monkeypatch):
 def test_opcheck_native(dtype):
     CPU_LIBRARY.load()
     logits, tokens = make_inputs((7,), 300, dtype=dtype)
-    torch.library.opcheck(torch.ops.palestra.logprob_entropy.default,
-                          (logits.requires_grad_(True), tokens, 0.7, IGNORE))
-    logp, ent, lse = torch.ops.palestra.logprob_entropy(logits.detach(), tokens, 0.7, IGNORE)
-    torch.library.opcheck(torch.ops.palestra.logprob_entropy_backward.default,
-                          (torch.randn(7), torch.randn(7), logits.detach(), tokens, lse, ent, 0.7, IGNORE))
+    torch.library.opcheck(
+        torch.ops.palestra.logprob_entropy.default, (logits.requires_grad_(True), tokens, 0.7, IGNORE)
+    )
+    _logp, ent, lse = torch.ops.palestra.logprob_entropy(logits.detach(), tokens, 0.7, IGNORE)
+    torch.library.opcheck(
+        torch.ops.palestra.logprob_entropy_backward.default,
+        (torch.randn(7), torch.randn(7), logits.detach(), tokens, lse, ent, 0.7, IGNORE),
+    )
 
 
 def test_opcheck_triton():
     from palestra.kernels import triton_logprob_entropy  # noqa: F401
 
     logits, tokens = make_inputs((3,), 40)
-    torch.library.opcheck(torch.ops.palestra_triton.logprob_entropy.default,
-                          (logits.requires_grad_(True), tokens, 0.7, IGNORE))
+    torch.library.opcheck(
+        torch.ops.palestra_triton.logprob_entropy.default, (logits.requires_grad_(True), tokens, 0.7, IGNORE)
+    )
 
 
 @pytest.mark.slow
@@ -275,6 +292,7 @@ def test_torch_compile_fullgraph_cpp():
     torch._dynamo.reset()
     K.set_backend("cpp")
     try:
+
         def loss(x, tokens):
             logp, ent = K.logprob_entropy(x, tokens, 0.8)
             return (logp * 2.0 - 0.1 * ent).sum()
@@ -335,8 +353,11 @@ def test_backend_forcing(monkeypatch):
     K.set_backend(None)
     results = {}
     # Which implementation ran shows in the autograd node that produced the outputs.
-    expected_node = {"torch": "WhereBackward", "cpp": "palestra_logprob_entropy",
-                     "triton": "palestra_triton_logprob_entropy"}
+    expected_node = {
+        "torch": "WhereBackward",
+        "cpp": "palestra_logprob_entropy",
+        "triton": "palestra_triton_logprob_entropy",
+    }
     for name, node in expected_node.items():
         monkeypatch.setenv("PALESTRA_KERNELS", name)
         logp, ent = K.logprob_entropy(x, tokens)
@@ -350,10 +371,10 @@ def test_backend_forcing(monkeypatch):
     monkeypatch.delenv("PALESTRA_KERNELS")
     assert LE._op.backend_for(x.device) == "cpp"  # automatic choice on CPU
     monkeypatch.setenv("PALESTRA_KERNELS", "cuda")  # forced but unable to serve a CPU tensor: an error
-    with pytest.raises(KernelBuildError, match="logprob_entropy.*cuda"):
+    with pytest.raises(KernelBuildError, match=r"logprob_entropy.*cuda"):
         K.logprob_entropy(logits, tokens)
     monkeypatch.delenv("PALESTRA_KERNELS")
-    with pytest.raises(KernelBuildError, match="logprob_entropy.*cuda"):
+    with pytest.raises(KernelBuildError, match=r"logprob_entropy.*cuda"):
         K.logprob_entropy(logits, tokens, backend="cuda")
 
 
@@ -490,14 +511,28 @@ def _build_cuda_on_host(out: Path) -> ctypes.CDLL:
     (out / "logprob_entropy_host.cpp").write_text(source)
     (out / "main.cpp").write_text(_HOST_ENTRY_POINTS)
     so = out / "logprob_entropy_host.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-I", str(out), "-I", str(cu_dir),
-           str(out / "main.cpp"), "-o", str(so)]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O1",
+        "-pthread",
+        "-shared",
+        "-fPIC",
+        "-fno-gnu-unique",
+        "-I",
+        str(out),
+        "-I",
+        str(cu_dir),
+        str(out / "main.cpp"),
+        "-o",
+        str(so),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(so))
-    P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.host_forward.argtypes = [P, C, P, P, P, P, I, I, F, I]
-    lib.host_backward.argtypes = [P, P, P, C, P, P, P, P, I, I, F, I]
+    P, I64, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.host_forward.argtypes = [P, C, P, P, P, P, I64, I64, F, I64]
+    lib.host_backward.argtypes = [P, P, P, C, P, P, P, P, I64, I64, F, I64]
     return lib
 
 
@@ -517,8 +552,18 @@ def test_cuda_kernels_under_host_emulation(tmp_path):
         x = storage[offset:].view(n_rows, vocab)
         x.copy_(logits)
         logp, ent, lse = (torch.full((n_rows,), 7.0) for _ in range(3))
-        rc = lib.host_forward(x.data_ptr(), _DTYPE_CODE[dtype], tokens.data_ptr(), logp.data_ptr(), ent.data_ptr(),
-                              lse.data_ptr(), n_rows, vocab, 1.0 / temperature, IGNORE)
+        rc = lib.host_forward(
+            x.data_ptr(),
+            _DTYPE_CODE[dtype],
+            tokens.data_ptr(),
+            logp.data_ptr(),
+            ent.data_ptr(),
+            lse.data_ptr(),
+            n_rows,
+            vocab,
+            1.0 / temperature,
+            IGNORE,
+        )
         assert rc == 0
         x_ref = logits.double().requires_grad_(True)
         r_logp, r_ent = reference(x_ref, tokens, temperature)
@@ -530,9 +575,20 @@ def test_cuda_kernels_under_host_emulation(tmp_path):
         g_logp, g_ent = torch.randn(n_rows), torch.randn(n_rows)
         grad_storage = torch.full((n_rows * vocab + offset,), 7.0).to(dtype)
         grad = grad_storage[offset:].view(n_rows, vocab)
-        rc = lib.host_backward(g_logp.data_ptr(), g_ent.data_ptr(), x.data_ptr(), _DTYPE_CODE[dtype],
-                               tokens.data_ptr(), lse.data_ptr(), ent.data_ptr(), grad.data_ptr(), n_rows, vocab,
-                               1.0 / temperature, IGNORE)
+        rc = lib.host_backward(
+            g_logp.data_ptr(),
+            g_ent.data_ptr(),
+            x.data_ptr(),
+            _DTYPE_CODE[dtype],
+            tokens.data_ptr(),
+            lse.data_ptr(),
+            ent.data_ptr(),
+            grad.data_ptr(),
+            n_rows,
+            vocab,
+            1.0 / temperature,
+            IGNORE,
+        )
         assert rc == 0
         (r_grad,) = torch.autograd.grad((r_logp, r_ent), x_ref, (g_logp.double(), g_ent.double()))
         eps = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-4

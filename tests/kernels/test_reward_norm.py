@@ -7,7 +7,9 @@ shapes only.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import math
 import zlib
 
@@ -179,7 +181,7 @@ def test_merge_of_shard_states_equals_the_whole(cpp):
     seg = segments(rng, r.shape, S)
     cuts = [0, 1, 17, 5000, 60_000, 60_001, 150_000, r.numel()]  # K = 7 shards of unequal sizes, one of size 1
     merged = K.RunningMoments(S)
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         merged.merge(K.RunningMoments(S).update(r[a:b], seg[a:b]))
     whole = K.RunningMoments(S).update(r, seg)
     assert torch.equal(merged.count, whole.count)
@@ -431,14 +433,15 @@ def test_all_reduce_across_two_gloo_processes(tmp_path):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    try:
-        CPU_LIBRARY.load()  # build here, once, rather than racing in both workers
-    except KernelBuildError:
-        pass  # the workers fall back to the torch back end, with a warning
+    # Build here, once, rather than racing in both workers; if it fails, the workers fall back to the torch back
+    # end, with a warning.
+    with contextlib.suppress(KernelBuildError):
+        CPU_LIBRARY.load()
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     procs = [
-        ctx.Process(target=_all_reduce_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path))) for rank in range(2)
+        ctx.Process(target=_all_reduce_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path)))
+        for rank in range(2)
     ]
     for p in procs:
         p.start()
@@ -481,7 +484,9 @@ def test_bad_segment_ids_raise_naming_value_and_S(backend):
         seg[where] = bad
         seg[where + 1 :] = bad  # later bad ids too: the first one is named
         for update in (True, False):
-            text = one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, update=update))
+            text = one_line_error(
+                ValueError, lambda seg=seg, update=update: K.normalize_rewards(r, state, seg, update=update)
+            )
             assert text == (
                 f"normalize_rewards: segment_ids has value {bad} at flat index {where}; ids must lie in [0, S) "
                 "with S=3 (the state's num_segments)"
@@ -500,13 +505,15 @@ def test_non_finite_rewards_raise_with_count_and_first_index(backend):
         r[n // 3], r[n // 2], r[n - 1] = float("nan"), float("inf"), -float("inf")
         seg = torch.randint(0, 2, (n,))
         for update in (True, False):
-            text = one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, update=update))
+            text = one_line_error(
+                ValueError, lambda r=r, seg=seg, update=update: K.normalize_rewards(r, state, seg, update=update)
+            )
             name = str(dtype).removeprefix("torch.")
             assert text == (
                 f"normalize_rewards: rewards ({name}, {n} elements) has 3 non-finite value(s) (NaN/inf), "
                 f"the first at flat index {n // 3}"
             )
-        one_line_error(ValueError, lambda: K.normalize_rewards(r, K.RunningMoments()))  # unsegmented path too
+        one_line_error(ValueError, lambda r=r: K.normalize_rewards(r, K.RunningMoments()))  # unsegmented path too
     assert_same_state(state, snap)
 
 
@@ -529,7 +536,9 @@ def test_argument_errors_name_the_argument():
         ValueError, lambda: K.normalize_rewards(r, meta_state, seg)
     )
     for clip in (0.0, -1.0, float("nan")):
-        assert "clip must be > 0" in one_line_error(ValueError, lambda: K.normalize_rewards(r, state, seg, clip=clip))
+        assert "clip must be > 0" in one_line_error(
+            ValueError, lambda clip=clip: K.normalize_rewards(r, state, seg, clip=clip)
+        )
     assert "eps must be a finite float >= 0" in one_line_error(
         ValueError, lambda: K.normalize_rewards(r, state, seg, eps=-1e-3)
     )
@@ -690,6 +699,8 @@ _EMU_FP16 = r"""
 struct __half { unsigned short bits; };
 inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.bits, 2); return static_cast<float>(f); }
 """
+
+
 def _build_emulated_cuda(build_dir):
     import ctypes
     import re
@@ -725,15 +736,30 @@ def _build_emulated_cuda(build_dir):
         "  out[0] = p.num_chunks; out[1] = p.chunk; out[2] = p.partial_doubles; out[3] = p.chunk_error_slots;\n"
         "  return 0;\n}\n"
         'extern "C" int emu_normalize(const void* r, int dtype, const int64_t* seg, int64_t n, int64_t S,\n'
-        "    double* count, double* mean, double* m2, double clip, double eps, bool update, float* out, double* partials,\n"
+        "    double* count, double* mean, double* m2, double clip, "
+        "double eps, bool update, float* out, double* partials,\n"
         "    int64_t* chunk_errors, int64_t* error_out, double* coefficients) {\n"
         "  const auto kind = static_cast<palestra::cuda::RewardDType>(dtype);\n"
-        "  return palestra::cuda::launch_normalize_rewards(r, kind, seg, n, S, count, mean, m2, clip, eps, update, out,\n"
+        "  return palestra::cuda::launch_normalize_rewards(r, "
+        "kind, seg, n, S, count, mean, m2, clip, eps, update, out,\n"
         "      partials, chunk_errors, error_out, coefficients, nullptr);\n}\n"
     )
     lib_path = build_dir / "reward_norm_emulated.so"
-    cmd = [gxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-gnu-unique", "-I", str(build_dir), "-I", str(csrc_dir() / "cuda"),
-           str(build_dir / "entry.cpp"), "-o", str(lib_path)]
+    cmd = [
+        gxx,
+        "-std=c++17",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-fno-gnu-unique",
+        "-I",
+        str(build_dir),
+        "-I",
+        str(csrc_dir() / "cuda"),
+        str(build_dir / "entry.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(lib_path))
@@ -762,9 +788,22 @@ def run_emulated(lib, rewards, seg, state: K.RunningMoments, clip=5.0, eps=1e-8,
     coefficients = torch.full((2 * S,), math.nan, dtype=torch.float64)
     out = torch.full((n,), 99.0)
     rc = lib.emu_normalize(
-        rewards.data_ptr(), kinds[rewards.dtype], None if seg is None else seg.data_ptr(), n, S,
-        state.count.data_ptr(), state.mean.data_ptr(), state.m2.data_ptr(), clip, eps, update,
-        out.data_ptr(), partials.data_ptr(), chunk_errors.data_ptr(), error_out.data_ptr(), coefficients.data_ptr(),
+        rewards.data_ptr(),
+        kinds[rewards.dtype],
+        None if seg is None else seg.data_ptr(),
+        n,
+        S,
+        state.count.data_ptr(),
+        state.mean.data_ptr(),
+        state.m2.data_ptr(),
+        clip,
+        eps,
+        update,
+        out.data_ptr(),
+        partials.data_ptr(),
+        chunk_errors.data_ptr(),
+        error_out.data_ptr(),
+        coefficients.data_ptr(),
     )
     assert rc == 0
     return out, error_out.tolist()
@@ -773,8 +812,14 @@ def run_emulated(lib, rewards, seg, state: K.RunningMoments, clip=5.0, eps=1e-8,
 @pytest.mark.parametrize(
     "n, S, dtype",
     # two chunks at n > 4096; S = 40 and 130 take the 4- and 1-lane-per-segment paths
-    [(1, 1, torch.float32), (4500, 1, torch.float32), (4500, 3, torch.bfloat16), (1000, 40, torch.float16),
-     (600, 130, torch.float32), (10, 7, torch.float64)],
+    [
+        (1, 1, torch.float32),
+        (4500, 1, torch.float32),
+        (4500, 3, torch.bfloat16),
+        (1000, 40, torch.float16),
+        (600, 130, torch.float32),
+        (10, 7, torch.float64),
+    ],
     ids=str,
 )
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from palestra.config import TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner
@@ -56,9 +57,9 @@ class ToyPolicy(CausalLMPolicy):
         return self.head
 
     def trunk(self, input_ids, attention_mask, position_ids, cache=None, *, use_cache=False):
-        m = attention_mask[:, -input_ids.shape[1]:].to(self.embed.weight.dtype)[..., None]
+        m = attention_mask[:, -input_ids.shape[1] :].to(self.embed.weight.dtype)[..., None]
         x = self.embed(input_ids) * m
-        total, count = (cache if cache is not None else (0.0, 0.0))
+        total, count = cache if cache is not None else (0.0, 0.0)
         sums = x.cumsum(1) + total
         counts = m.cumsum(1) + count
         h = self.norm(torch.tanh(self.mix(sums / counts.clamp(min=1.0))))
@@ -122,7 +123,9 @@ def train_config(**overrides: Any) -> TrainConfig:
 
 def learner_for(algorithm: Any, policy: Any, train: TrainConfig | None = None, *, reference: Any = None) -> Learner:
     """A single-process learner for ``algorithm`` on ``policy`` (``train``: :func:`train_config`'s defaults)."""
-    return Learner(algorithm, policy, TrainContext.local(train if train is not None else train_config()), reference=reference)
+    return Learner(
+        algorithm, policy, TrainContext.local(train if train is not None else train_config()), reference=reference
+    )
 
 
 @dataclass
@@ -144,7 +147,9 @@ class Masked:
         return float(((x * m).sum(-1) / length).mean())
 
 
-def reference_scores(policy: ToyPolicy, batch: Experience, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_scores(
+    policy: ToyPolicy, batch: Experience, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (log-probs, entropy) [B, T], 0 where masked, by plain torch (see :func:`reference_logprobs`)."""
     with torch.no_grad():
         p = batch.prompt_ids.shape[1]

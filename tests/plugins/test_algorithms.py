@@ -14,17 +14,18 @@ import torch
 from algo_helpers import (
     Masked,
     ToyPolicy,
+    learner_for,
     make_batch,
     reference_logprobs,
-    learner_for,
     reference_scores,
     train_config,
     with_behaviour,
 )
-from palestra.engine.algorithm import Algorithm
-from palestra.plugins.optimizers.grpo import GRPO
+
 from palestra.config import ConfigError
+from palestra.engine.algorithm import Algorithm
 from palestra.plugin_manager import get_registry
+from palestra.plugins.optimizers.grpo import GRPO
 
 ALL = ["reinforce", "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 REWARDS = [1.0, 0.0, 0.5, 0.2, 0.2, 1.0]
@@ -38,7 +39,9 @@ def build(name: str, **options) -> Algorithm:
 
 def shifted_batch(policy: ToyPolicy, seed: int = 1, scale: float = 0.4, **kw):
     """The standard 2-group batch; behaviour log-probs off the policy's by N(0, scale) so that ratios clip."""
-    batch = make_batch(kw.pop("rewards", REWARDS), kw.pop("groups", GROUPS), lengths=kw.pop("lengths", LENGTHS), seed=seed, **kw)
+    batch = make_batch(
+        kw.pop("rewards", REWARDS), kw.pop("groups", GROUPS), lengths=kw.pop("lengths", LENGTHS), seed=seed, **kw
+    )
     shifts = torch.randn(batch.completion_ids.shape, generator=torch.Generator().manual_seed(seed + 100)) * scale
     return with_behaviour(policy, batch, shifts)
 
@@ -80,7 +83,12 @@ def test_options_errors_name_the_option():
 
 def test_defaults():
     g, d = build("grpo"), build("dr_grpo")
-    assert (g.options.scale, g.options.loss_agg, g.options.beta, g.options.clip_eps) == ("group", "token_mean", 0.0, 0.2)
+    assert (g.options.scale, g.options.loss_agg, g.options.beta, g.options.clip_eps) == (
+        "group",
+        "token_mean",
+        0.0,
+        0.2,
+    )
     assert (d.options.scale, d.options.loss_agg) == ("none", "seq_mean_token_sum_norm")
     assert not g.needs_reference and build("grpo", beta=0.1).needs_reference
     assert build("ppo").needs_value_head and not g.needs_value_head
@@ -101,7 +109,11 @@ def test_the_learner_follows_the_lr_schedule():
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_grpo_loss_matches_hand_computation(loss_agg):
     policy = ToyPolicy()
-    algo = learner_for(build("grpo", loss_agg=loss_agg, clip_eps=0.2, clip_eps_high=0.28, entropy_coef=0.01), policy, train_config(max_new_tokens=7))
+    algo = learner_for(
+        build("grpo", loss_agg=loss_agg, clip_eps=0.2, clip_eps_high=0.28, entropy_coef=0.01),
+        policy,
+        train_config(max_new_tokens=7),
+    )
     batch = algo.prepare(shifted_batch(policy))
 
     adv = group_norm(REWARDS, 3, scale=True, eps=1e-4)
@@ -111,8 +123,11 @@ def test_grpo_loss_matches_hand_computation(loss_agg):
     per_token, ratio, clipped = clipped_surrogate(logp, batch.behaviour_logprobs.double(), adv, 0.2, 0.28)
     per_token = per_token - 0.01 * ent
     m = Masked(batch.completion_mask)
-    agg = {"token_mean": m.token_mean, "seq_mean_token_mean": m.seq_mean_token_mean,
-           "seq_mean_token_sum_norm": lambda x: m.seq_mean_token_sum_norm(x, 7)}[loss_agg]
+    agg = {
+        "token_mean": m.token_mean,
+        "seq_mean_token_mean": m.seq_mean_token_mean,
+        "seq_mean_token_sum_norm": lambda x: m.seq_mean_token_sum_norm(x, 7),
+    }[loss_agg]
     loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(agg(per_token), rel=1e-5, abs=1e-6)
     # Metrics are token means whatever loss_agg is.
@@ -200,7 +215,15 @@ def test_update_reports_pre_clip_norm_and_update_ratio():
     theta = math.sqrt(sum(float(b.double().square().sum()) for b in before))
     assert metrics["grad/update_ratio"] == pytest.approx(delta / theta, rel=1e-6)
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-6)
-    assert set(metrics) >= {"loss", "policy/entropy", "policy/clip_frac", "policy/ratio_mean", "grad/norm", "grad/update_ratio", "lr"}
+    assert set(metrics) >= {
+        "loss",
+        "policy/entropy",
+        "policy/clip_frac",
+        "policy/ratio_mean",
+        "grad/norm",
+        "grad/update_ratio",
+        "lr",
+    }
     assert all(isinstance(v, float) for v in metrics.values())
 
 
@@ -244,7 +267,9 @@ def test_a_partly_taken_update_counts_and_reports_its_good_passes(caplog):
             return (loss * float("nan") if self.calls > 1 else loss), metrics
 
     policy = ToyPolicy()
-    learner = learner_for(NaNFromSecondCall(replay_capacity=2, replay_rows=2), policy, train_config(updates_per_batch=2))
+    learner = learner_for(
+        NaNFromSecondCall(replay_capacity=2, replay_rows=2), policy, train_config(updates_per_batch=2)
+    )
     batch = learner.prepare(shifted_batch(policy))
     before = [p.detach().clone() for p in policy.parameters()]
     with caplog.at_level("WARNING", logger="palestra.engine.learner"):
@@ -263,7 +288,7 @@ def test_a_partly_taken_update_counts_and_reports_its_good_passes(caplog):
 def test_the_learner_needs_a_train_context():
     from palestra.engine.learner import Learner
 
-    with pytest.raises(TypeError, match="context must be a palestra.TrainContext, got TrainConfig"):
+    with pytest.raises(TypeError, match=r"context must be a palestra\.TrainContext, got TrainConfig"):
         Learner(build("grpo"), ToyPolicy(), train_config())
 
 
@@ -287,7 +312,10 @@ def test_rloo_advantages_and_loss_match_hand_computation():
     m = Masked(batch.completion_mask)
     loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(per_token), rel=1e-5, abs=1e-6)
-    assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6) and metrics["policy/clip_frac"] > 0
+    assert (
+        metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped.double()), abs=1e-6)
+        and metrics["policy/clip_frac"] > 0
+    )
     assert metrics["policy/kl"] == pytest.approx(m.token_mean(logp - ref), rel=1e-5)  # k1 of the current policy
 
 
@@ -313,7 +341,9 @@ def test_reinforce_pp_advantages_and_loss_match_hand_computation():
             g = r + 0.9 * g
             returns[b, t] = g
     valid = returns[batch.completion_mask]
-    adv = torch.where(batch.completion_mask, (returns - valid.mean()) / torch.sqrt(valid.var(unbiased=True) + 1e-8), 0.0)
+    adv = torch.where(
+        batch.completion_mask, (returns - valid.mean()) / torch.sqrt(valid.var(unbiased=True) + 1e-8), 0.0
+    )
     torch.testing.assert_close(batch.advantages.double(), adv, rtol=1e-5, atol=1e-5)
 
     logp = reference_logprobs(policy, batch)
@@ -330,7 +360,12 @@ def test_ppo_gae_value_clipping_and_loss_match_hand_computation():
     from algo_helpers import reference_values
 
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = learner_for(build("ppo", kl_coef=0.1, gamma=0.9, lam=0.8, clip_value=0.05, vf_coef=0.5), policy, train_config(), reference=reference)
+    algo = learner_for(
+        build("ppo", kl_coef=0.1, gamma=0.9, lam=0.8, clip_value=0.05, vf_coef=0.5),
+        policy,
+        train_config(),
+        reference=reference,
+    )
     assert policy.value_head is not None
     torch.nn.init.normal_(policy.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(3))
     batch = algo.prepare(shifted_batch(policy))
@@ -348,7 +383,9 @@ def test_ppo_gae_value_clipping_and_loss_match_hand_computation():
             a = r + 0.9 * v_next - float(values[b, t]) + 0.9 * 0.8 * a
             adv[b, t] = a
     returns = adv + values
-    torch.testing.assert_close(batch.returns.double(), torch.where(batch.completion_mask, returns, 0.0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        batch.returns.double(), torch.where(batch.completion_mask, returns, 0.0), rtol=1e-5, atol=1e-5
+    )
     valid = adv[batch.completion_mask]
     white = torch.where(batch.completion_mask, (adv - valid.mean()) / torch.sqrt(valid.var(unbiased=True) + 1e-8), 0.0)
     torch.testing.assert_close(batch.advantages.double(), white, rtol=1e-5, atol=1e-5)
@@ -406,7 +443,11 @@ def test_reinforce_per_agent_running_normalisation():
 
 def test_reinforce_replay_uses_truncated_importance_weights():
     policy = ToyPolicy()
-    algo = learner_for(build("reinforce", replay_capacity=2, replay_rows=4, replay_is_clip=1.1, entropy_coef=0.02), policy, train_config(lr=0.05))
+    algo = learner_for(
+        build("reinforce", replay_capacity=2, replay_rows=4, replay_is_clip=1.1, entropy_coef=0.02),
+        policy,
+        train_config(lr=0.05),
+    )
     first = algo.prepare(shifted_batch(policy, seed=1, scale=0.0))
     algo.update(first)  # the policy moves: first's behaviour log-probs are now stale
     fresh = algo.prepare(shifted_batch(policy, seed=2, scale=0.0, lengths=[2, 5, 5, 3, 4, 4]))
@@ -438,7 +479,9 @@ def test_reinforce_replay_uses_truncated_importance_weights():
 
 def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipped_loss():
     policy, reference = ToyPolicy(0), ToyPolicy(5)
-    algo = learner_for(build("grpo", beta=0.3, replay_capacity=2, replay_rows=4), policy, train_config(lr=0.05), reference=reference)
+    algo = learner_for(
+        build("grpo", beta=0.3, replay_capacity=2, replay_rows=4), policy, train_config(lr=0.05), reference=reference
+    )
     first = algo.prepare(shifted_batch(policy, seed=1, scale=0.0))
     assert algo.rows_for_update(first) is first  # nothing stored yet
     algo.update(first)  # the policy moves: first's behaviour log-probs are now stale
@@ -454,7 +497,9 @@ def test_grpo_replay_adds_stale_rows_with_their_reference_log_probs_to_the_clipp
 
     logp = reference_logprobs(policy, rows)
     ref = rows.ref_logprobs.double()
-    surrogate, ratio, clipped = clipped_surrogate(logp, rows.behaviour_logprobs.double(), rows.advantages.double(), 0.2, 0.2)
+    surrogate, _ratio, clipped = clipped_surrogate(
+        logp, rows.behaviour_logprobs.double(), rows.advantages.double(), 0.2, 0.2
+    )
     k3 = torch.exp(ref - logp) - 1 - (ref - logp)
     m = Masked(rows.completion_mask)
     loss, metrics = algo.loss(rows)
@@ -476,8 +521,10 @@ def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_i
     policy = ToyPolicy()
     algo = learner_for(build("grpo"), policy, train_config())
     # three stored batches of different completion widths, then a fresh one; rewards with one tied group each
-    batches = [algo.prepare(shifted_batch(policy, seed=s, lengths=lengths, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
-               for s, lengths in ((1, [2, 3, 3, 1, 2, 3]), (2, [4, 5, 5, 3, 4, 4]), (3, [1, 1, 2, 1, 1, 1]))]
+    batches = [
+        algo.prepare(shifted_batch(policy, seed=s, lengths=lengths, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
+        for s, lengths in ((1, [2, 3, 3, 1, 2, 3]), (2, [4, 5, 5, 3, 4, 4]), (3, [1, 1, 2, 1, 1, 1]))
+    ]
     fresh = algo.prepare(shifted_batch(policy, seed=4))
     pad = policy.tokenizer.pad_token_id
 
@@ -498,7 +545,9 @@ def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_i
     assert torch.equal(mixed.advantages[6:], expect.advantages)
     assert torch.equal(mixed.behaviour_logprobs[6:, :width], expect.behaviour_logprobs)
     assert mixed.agent_ids[6:] == expect.agent_ids
-    assert torch.equal(ReplayBuffer(1, 3).mix(fresh, torch.Generator(), pad_token_id=pad).completion_ids, fresh.completion_ids)
+    assert torch.equal(
+        ReplayBuffer(1, 3).mix(fresh, torch.Generator(), pad_token_id=pad).completion_ids, fresh.completion_ids
+    )
 
     # informative_only: the tied group's rows (advantage exactly 0) are not kept; its batch still counts in the window.
     # (A row whose reward equals its group's mean has advantage 0 too, and is dropped the same way.)
@@ -514,13 +563,17 @@ def test_replay_buffer_gathers_the_drawn_rows_of_a_whole_buffer_draw_and_keeps_i
 
 def test_replay_informative_only_is_an_option_and_checkpoints_keep_the_buffer():
     policy = ToyPolicy()
-    learner = learner_for(build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config())
+    learner = learner_for(
+        build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config()
+    )
     batch = learner.prepare(shifted_batch(policy, seed=1, rewards=[1.0, 1.0, 1.0, 0.0, 1.0, 1.0]))
     learner.update(batch)
     assert learner.replay is not None and learner.replay.stored_rows == 3
     state = learner.state_dict()
     assert set(state["extra"]) == {"replay"}
-    again = learner_for(build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config())
+    again = learner_for(
+        build("grpo", replay_capacity=3, replay_rows=4, replay_informative_only=True), policy, train_config()
+    )
     again.load_state_dict(state)
     assert torch.equal(again.replay.batches[0].completion_ids, learner.replay.batches[0].completion_ids)
     with pytest.raises(KeyError, match="replay is on but the checkpoint has no replay buffer"):
@@ -544,14 +597,19 @@ def test_reinforce_keeps_its_running_statistics_beside_the_learners_replay_buffe
 
 
 # ---- every algorithm: checkpoints and gradient accumulation ----------------------------------------------------
-OPTIONS = {"reinforce": {"replay_capacity": 2, "replay_rows": 3}, "grpo": {"replay_capacity": 2, "replay_rows": 3},
-           "dr_grpo": {"replay_capacity": 2, "replay_rows": 3, "replay_informative_only": True}}
+OPTIONS = {
+    "reinforce": {"replay_capacity": 2, "replay_rows": 3},
+    "grpo": {"replay_capacity": 2, "replay_rows": 3},
+    "dr_grpo": {"replay_capacity": 2, "replay_rows": 3, "replay_informative_only": True},
+}
 
 
 def _setup(name: str, seed: int = 0, **train):
     policy = ToyPolicy(seed)
     algo = build(name, **OPTIONS.get(name, {}))
-    return policy, learner_for(algo, policy, train_config(**train), reference=ToyPolicy(5) if algo.needs_reference else None)
+    return policy, learner_for(
+        algo, policy, train_config(**train), reference=ToyPolicy(5) if algo.needs_reference else None
+    )
 
 
 def _step(policy, algo, seed: int) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+
 from palestra.config import build_component
 from palestra.plugins.rewards.basic import answers_match, clean_answer, last_boxed, parse_number, parse_value
 
@@ -112,4 +113,7 @@ def test_the_correctness_reward_uses_the_matching_rules() -> None:
     out = reward(["p"] * len(completions), completions, metadata)
     assert out.scores.tolist() == [s for _, _, s in REWARD_ROWS]
     whole = build_component("reward", {"name": "correctness", "options": {"tag": None}}, path="reward")
-    assert whole(["p", "p"], ["The sum is \\boxed{12}.", "\\boxed{13}"], [{"answer": 12}] * 2).scores.tolist() == [1.0, 0.0]
+    assert whole(["p", "p"], ["The sum is \\boxed{12}.", "\\boxed{13}"], [{"answer": 12}] * 2).scores.tolist() == [
+        1.0,
+        0.0,
+    ]

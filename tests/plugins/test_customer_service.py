@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from palestra.config import ConfigError, build_component
+from palestra.engine.rollout import collect, reward_rows, run_episodes
 from palestra.plugin_manager import get_registry
 from palestra.plugins.envs._support_kb import INTENTS, build_kb, segment, vocabulary
 from palestra.plugins.envs.customer_service import (
@@ -17,11 +19,18 @@ from palestra.plugins.envs.customer_service import (
 from palestra.plugins.generators.kv_cache import KVCacheGenerator
 from palestra.plugins.policies.char_tokenizer import CharTokenizer
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect, reward_rows, run_episodes
 from palestra.types import Environment, Observation, SamplingParams
 
-JOINT = {"name": "weighted_sum", "options": {"components": [
-    {"name": "fluency", "weight": 0.4}, {"name": "factual", "weight": 0.4}, {"name": "politeness", "weight": 0.2}]}}
+JOINT = {
+    "name": "weighted_sum",
+    "options": {
+        "components": [
+            {"name": "fluency", "weight": 0.4},
+            {"name": "factual", "weight": 0.4},
+            {"name": "politeness", "weight": 0.2},
+        ]
+    },
+}
 
 
 def env(**options: Any) -> Any:
@@ -41,7 +50,13 @@ def oracle(obs: list[Observation]) -> list[str]:
     out = []
     for o in obs:
         m = o.metadata
-        out.append(m["intent"] if o.turn == 0 else m["gold_ids"][0] if o.turn == 1 else f"Thanks, {shown_fact(o)}. Happy to help.")
+        out.append(
+            m["intent"]
+            if o.turn == 0
+            else m["gold_ids"][0]
+            if o.turn == 1
+            else f"Thanks, {shown_fact(o)}. Happy to help."
+        )
     return out
 
 
@@ -68,7 +83,9 @@ def test_registered_and_protocol() -> None:
     assert "customer_service" in registry.names("environment")
     assert {"fluency", "factual", "politeness"} <= set(registry.names("reward"))
     e = env()
-    assert isinstance(e, Environment) and e.agent_ids == ROLES == ("intent", "retrieval", "response") and e.max_turns == 3
+    assert (
+        isinstance(e, Environment) and e.agent_ids == ROLES == ("intent", "retrieval", "response") and e.max_turns == 3
+    )
 
 
 def test_knowledge_base_is_seeded_and_queries_of_one_intent_ask_about_different_entries() -> None:
@@ -153,9 +170,16 @@ def score(name: str, completions: list[str], meta: dict[str, Any]) -> list[float
     return reward(name)([""] * len(completions), completions, [meta] * len(completions)).scores.tolist()
 
 
-META = {"agent_id": "response", "intent": "billing", "labels": ["billing", "shipping"], "gold_ids": ["K3"],
-        "gold_fact": "refunds take 5 days", "gold_value": "5 days", "other_values": ["7 days", "paypal"],
-        "info": {"candidates": ["K3", "K4", "K9"]}}
+META = {
+    "agent_id": "response",
+    "intent": "billing",
+    "labels": ["billing", "shipping"],
+    "gold_ids": ["K3"],
+    "gold_fact": "refunds take 5 days",
+    "gold_value": "5 days",
+    "other_values": ["7 days", "paypal"],
+    "info": {"candidates": ["K3", "K4", "K9"]},
+}
 
 
 def test_reply_scorers_on_hand_made_replies() -> None:
@@ -181,17 +205,40 @@ def test_reply_scorers_on_hand_made_replies() -> None:
 
 def test_label_and_id_scorers() -> None:
     intent = {**META, "agent_id": "intent"}
-    assert score("factual", ["billing", " billing\n", "shipping", "billing shipping", "bill"], intent) == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert score("fluency", ["billing", " billing\n", "it is billing", "billing shipping", ""], intent) == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert score("factual", ["billing", " billing\n", "shipping", "billing shipping", "bill"], intent) == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
+    assert score("fluency", ["billing", " billing\n", "it is billing", "billing shipping", ""], intent) == [
+        1.0,
+        1.0,
+        0.5,
+        0.0,
+        0.0,
+    ]
     assert score("politeness", ["billing", "it is billing"], intent) == [1.0, 0.5]
     retrieval = {**META, "agent_id": "retrieval"}
-    assert score("factual", ["K3", "K3 K4", "K4", "nothing", "K3K3"], retrieval) == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 1.0])
-    assert score("fluency", ["K3", "K3, K4", "entry K3", "K7", "none", "K3 K3"], retrieval) == [1.0, 1.0, 0.5, 0.5, 0.0, 0.5]
+    assert score("factual", ["K3", "K3 K4", "K4", "nothing", "K3K3"], retrieval) == pytest.approx(
+        [1.0, 2 / 3, 0.0, 0.0, 1.0]
+    )
+    assert score("fluency", ["K3", "K3, K4", "entry K3", "K7", "none", "K3 K3"], retrieval) == [
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        0.0,
+        0.5,
+    ]
     assert segment("shipbilling") == ["ship", "billing"]
 
 
 def test_options_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"^environment.options.candidates: must be at most intents \* topics_per_intent = 4"):
+    with pytest.raises(
+        ConfigError, match=r"^environment.options.candidates: must be at most intents \* topics_per_intent = 4"
+    ):
         env(intents=2, topics_per_intent=2, candidates=5)
     with pytest.raises(ConfigError, match=r"^environment.options.intents"):
         env(intents=9)
@@ -220,8 +267,16 @@ def test_tiny_policy_reads_every_prompt_and_plays_through_collect() -> None:
             assert tok.unk_token_id not in ids and tok.decode(ids) == t.observation.prompt and len(ids) < 64
             assert tok.decode(tok.encode(t.completion)) == t.completion
     policy = TinyTransformerPolicy(**tiny_policy_options(d_model=32, d_ff=64, seed=0))
-    ro = collect(env(reply_tokens=5), policy, KVCacheGenerator(), SamplingParams(max_new_tokens=12), 4, group_size=2,
-                 seed=3, rng=torch.Generator().manual_seed(0))
+    ro = collect(
+        env(reply_tokens=5),
+        policy,
+        KVCacheGenerator(),
+        SamplingParams(max_new_tokens=12),
+        4,
+        group_size=2,
+        seed=3,
+        rng=torch.Generator().manual_seed(0),
+    )
     assert [[t.agent_id for t in ep.turns] for ep in ro.episodes] == [list(ROLES)] * 8
     # The turn caps hold: one token for the label and the entry id, at most 5 for the reply.
     lengths = [g.completion_mask.sum(-1).tolist() for g in ro.generations]

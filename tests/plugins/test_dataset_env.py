@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra import cli
 from palestra.config import ConfigError, build_component, load_config
 from palestra.plugins.envs.dataset import DatasetEnv
@@ -34,7 +35,9 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def env(path: Path | str, **options: Any) -> DatasetEnv:
-    return build_component("environment", {"name": "dataset", "options": {"path": str(path), **options}}, path="environment")
+    return build_component(
+        "environment", {"name": "dataset", "options": {"path": str(path), **options}}, path="environment"
+    )
 
 
 def error(path: Path | str, **options: Any) -> str:
@@ -82,10 +85,22 @@ def test_every_format_reads_the_same_tasks(tmp_path: Path) -> None:
 def test_columns_template_system_prompt_and_metadata(tmp_path: Path) -> None:
     rows = [{"q": "2 + 2", "gold": "4", "src": "a", "id": 7}, {"q": "1 + 1", "gold": "2", "src": "b", "id": 8}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    e = env(path, prompt_column="q", answer_column="gold", metadata_columns=["src", "id"], eval_fraction=0,
-            system_prompt="Answer briefly.", stop=["</answer>"])
+    e = env(
+        path,
+        prompt_column="q",
+        answer_column="gold",
+        metadata_columns=["src", "id"],
+        eval_fraction=0,
+        system_prompt="Answer briefly.",
+        stop=["</answer>"],
+    )
     obs = {o.metadata["id"]: o for o in e.reset(2, seed=0)}
-    assert obs[7].prompt == "Answer briefly.\n\n2 + 2" and obs[7].metadata == {"answer": "4", "row": 0, "src": "a", "id": 7}
+    assert obs[7].prompt == "Answer briefly.\n\n2 + 2" and obs[7].metadata == {
+        "answer": "4",
+        "row": 0,
+        "src": "a",
+        "id": 7,
+    }
     assert [(m.role, m.content) for m in obs[7].messages] == [("system", "Answer briefly."), ("user", "2 + 2")]
     assert obs[7].stop == ["</answer>"]
     templated = env(path, template="Q{id}: {q} =", answer_column="gold", eval_fraction=0)
@@ -102,7 +117,10 @@ def test_a_messages_column(tmp_path: Path) -> None:
     assert o.prompt == "system: Be brief.\nuser: Hi, what is 3 + 4?" and o.metadata["answer"] == "7"
     # in a CSV the messages are the JSON text of the list
     csv_path = write_csv(tmp_path / "chat.csv", [{"messages": json.dumps(chat), "answer": 7}])
-    assert env(csv_path, messages_column="messages", eval_fraction=0).reset(1, seed=0)[0].messages[0].content == chat[0]["content"]
+    assert (
+        env(csv_path, messages_column="messages", eval_fraction=0).reset(1, seed=0)[0].messages[0].content
+        == chat[0]["content"]
+    )
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}], "answer": 1}])
     assert error(bad, messages_column="messages").startswith(
         f"environment.options.path: {bad} line 1: messages ('messages') item 0 must be {{role: str, content: str}}"
@@ -160,8 +178,13 @@ def test_bad_files_and_rows_are_one_line_each(tmp_path: Path) -> None:
         f"environment.options.answer_column: no column 'solution' in {good}; its columns are question, answer, level"
     )
     assert error(good, template="{question} {hint}").startswith("environment.options.template: no column 'hint'")
-    assert error(good, metadata_columns=["source"]).startswith("environment.options.metadata_columns: no column 'source'")
-    assert error(tmp_path / "nope.jsonl") == f"environment.options.path: '{tmp_path / 'nope.jsonl'}' does not exist (a local file or folder; nothing is downloaded)"
+    assert error(good, metadata_columns=["source"]).startswith(
+        "environment.options.metadata_columns: no column 'source'"
+    )
+    assert error(tmp_path / "nope.jsonl") == (
+        f"environment.options.path: '{tmp_path / 'nope.jsonl'}' does "
+        "not exist (a local file or folder; nothing is downloaded)"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     assert error(empty) == f"environment.options.path: {empty} holds no rows"
@@ -173,9 +196,9 @@ def test_bad_files_and_rows_are_one_line_each(tmp_path: Path) -> None:
     assert error(broken).startswith(f"environment.options.path: {broken} line 17: not valid JSON (")
     not_object = write_jsonl(tmp_path / "list.jsonl", [[1, 2]])  # type: ignore[list-item]
     assert error(not_object) == f"environment.options.path: {not_object} line 1: expected a JSON object, got list"
-    blank = write_jsonl(tmp_path / "blank.jsonl", ROWS[:16] + [{"question": "1 + 1", "answer": " "}])
+    blank = write_jsonl(tmp_path / "blank.jsonl", [*ROWS[:16], {"question": "1 + 1", "answer": " "}])
     assert error(blank) == f"environment.options.path: {blank} line 17: answer ('answer') is empty"
-    missing = write_jsonl(tmp_path / "missing.jsonl", ROWS[:3] + [{"question": "1 + 1"}])
+    missing = write_jsonl(tmp_path / "missing.jsonl", [*ROWS[:3], {"question": "1 + 1"}])
     assert error(missing) == f"environment.options.path: {missing} line 4: has no 'answer' (its keys: question)"
     ragged = tmp_path / "ragged.csv"
     ragged.write_text("question,answer\n1 + 1,2\n2 + 2,4,extra\n")
@@ -186,7 +209,10 @@ def test_bad_files_and_rows_are_one_line_each(tmp_path: Path) -> None:
     odd = tmp_path / "data.xml"
     odd.write_text("<a/>")
     assert error(odd).startswith(f"environment.options.path: cannot tell the format of '{odd}' from its extension")
-    assert error(good, eval_size=20) == f"environment.options.eval_size: holds out 20 of the 20 rows of {good}, leaving none to train on"
+    assert (
+        error(good, eval_size=20)
+        == f"environment.options.eval_size: holds out 20 of the 20 rows of {good}, leaving none to train on"
+    )
 
 
 def test_bad_options_are_one_line_each(tmp_path: Path) -> None:
@@ -194,14 +220,26 @@ def test_bad_options_are_one_line_each(tmp_path: Path) -> None:
     cases = {
         "environment.options.path: required": ["environment.name=dataset"],
         "environment.options.template: set template or messages_column, not both": [
-            "environment.name=dataset", f"environment.options.path={good}", "environment.options.template=What is {question}?",
-            "environment.options.messages_column=m"],
+            "environment.name=dataset",
+            f"environment.options.path={good}",
+            "environment.options.template=What is {question}?",
+            "environment.options.messages_column=m",
+        ],
         "environment.options.template: fields must be plain column names": [
-            "environment.name=dataset", f"environment.options.path={good}", "environment.options.template=What is {a.b}?"],
+            "environment.name=dataset",
+            f"environment.options.path={good}",
+            "environment.options.template=What is {a.b}?",
+        ],
         "environment.options.metadata_columns: 'answer' is a metadata key": [
-            "environment.name=dataset", f"environment.options.path={good}", "environment.options.metadata_columns=[answer]"],
+            "environment.name=dataset",
+            f"environment.options.path={good}",
+            "environment.options.metadata_columns=[answer]",
+        ],
         "environment.options.eval_fraction: must be < 1": [
-            "environment.name=dataset", f"environment.options.path={good}", "environment.options.eval_fraction=1"],
+            "environment.name=dataset",
+            f"environment.options.path={good}",
+            "environment.options.eval_fraction=1",
+        ],
     }
     for start, overrides in cases.items():
         with pytest.raises(ConfigError) as info:
@@ -213,17 +251,24 @@ def test_a_parquet_file_with_a_missing_column(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     path = tmp_path / "d.parquet"
     datasets.Dataset.from_list([{"prompt": "1 + 1", "answer": 2}]).to_parquet(str(path))
-    assert error(path) == f"environment.options.prompt_column: no column 'question' in {path}; its columns are prompt, answer"
+    assert (
+        error(path)
+        == f"environment.options.prompt_column: no column 'question' in {path}; its columns are prompt, answer"
+    )
     junk = tmp_path / "junk.parquet"
     junk.write_text("not parquet")
     assert error(junk).startswith(f"environment.options.path: {junk}: cannot read it as Parquet: ")
     folder = tmp_path / "plain_folder"
     folder.mkdir()
-    assert error(folder).startswith(f"environment.options.path: {folder}: not a folder written by datasets' save_to_disk: ")
+    assert error(folder).startswith(
+        f"environment.options.path: {folder}: not a folder written by datasets' save_to_disk: "
+    )
 
 
 # ---- a real run ---------------------------------------------------------------------------------------------
-def test_two_training_steps_on_the_example(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_training_steps_on_the_example(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)  # the example's path is relative to the repository root
     out = tmp_path / "runs"
     code = cli.main(["train", "--config", "examples/dataset_math.yaml", "train.steps=2", "train.batch_size=4",

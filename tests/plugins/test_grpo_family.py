@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from algo_helpers import Masked, ToyPolicy, learner_for, make_batch, reference_scores, train_config as base_config, with_behaviour
+from algo_helpers import Masked, ToyPolicy, learner_for, make_batch, reference_scores, with_behaviour
+from algo_helpers import train_config as base_config
+
 from palestra.config import ConfigError
 from palestra.engine.algorithm import Algorithm
 from palestra.engine.learner import Learner
@@ -57,7 +59,12 @@ def test_registry_and_defaults():
     names = get_registry().names("optimizer")
     assert set(FAMILY) <= set(names)
     d, g, c = build("dapo"), build("gspo"), build("cispo")
-    assert (d.options.clip_eps, d.options.clip_eps_high, d.options.loss_agg, d.options.dynamic_sampling) == (0.2, 0.28, "token_mean", True)
+    assert (d.options.clip_eps, d.options.clip_eps_high, d.options.loss_agg, d.options.dynamic_sampling) == (
+        0.2,
+        0.28,
+        "token_mean",
+        True,
+    )
     assert (g.options.clip_eps, g.options.clip_eps_high, g.options.loss_agg) == (3e-4, 4e-4, "seq_mean_token_mean")
     assert (c.options.clip_eps, c.options.clip_eps_high, c.options.loss_agg) == (None, 4.0, "token_mean")
     assert all(a.options.beta == 0.0 and a.options.scale == "group" and not a.needs_reference for a in (d, g, c))
@@ -140,7 +147,9 @@ def test_dapo_update_is_a_no_op_when_every_group_ties(caplog):
     assert all(torch.equal(a, p) for a, p in zip(before, policy.parameters()))
     assert not algo.optimizer.state  # no optimiser step
     assert algo.scheduler.last_epoch == 0  # nor a schedule step
-    assert [r.getMessage() for r in caplog.records] == ["dapo.update: every one of the 3 groups has tied rewards; no update this step"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "dapo.update: every one of the 3 groups has tied rewards; no update this step"
+    ]
 
 
 def test_dapo_without_dynamic_sampling_is_grpo_with_clip_higher():
@@ -182,8 +191,9 @@ def test_dapo_with_refill_counts_the_groups_short_and_keeps_the_first_informativ
     assert algo.algorithm.groups_short(batch) == max(0, batch_size - 2)
     rows = algo.rows_for_update(batch)
     assert rows.group_ids.tolist() == [0, 0, 0, 9, 9, 9][: 3 * min(batch_size, 2)]
-    torch.testing.assert_close(rows.advantages.double(), group_adv(REWARDS)[[0, 1, 2, 6, 7, 8]][: rows.batch_size],
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        rows.advantages.double(), group_adv(REWARDS)[[0, 1, 2, 6, 7, 8]][: rows.batch_size], rtol=1e-5, atol=1e-6
+    )
 
 
 def refill_trainer(tmp_path, *overrides):
@@ -192,7 +202,8 @@ def refill_trainer(tmp_path, *overrides):
 
     config = load_config(REPO / "examples" / "dapo.yaml", [
         "optimizer.options.dynamic_sampling=true", "optimizer.options.refill_rounds=2", "train.batch_size=4",
-        "train.group_size=4", "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path}", "loggers=[]", *overrides,
+        "train.group_size=4", "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path}", "loggers=[]",
+        *overrides,
     ])  # fmt: skip
     return Trainer(config, run_dir=tmp_path / "run")
 
@@ -232,6 +243,7 @@ def test_the_trainer_does_not_refill_a_batch_that_is_already_full(tmp_path):
     assert torch.equal(sampled.batch.completion_ids, first.completion_ids)  # the first rollout alone
     assert metrics["rollout/refill_rounds"] == 0.0 and metrics["rollout/groups_short"] == 0.0
 
+
 # ---- GSPO and CISPO -------------------------------------------------------------------------------------------------
 def test_gspo_loss_matches_hand_computation():
     policy = ToyPolicy()
@@ -250,7 +262,9 @@ def test_gspo_loss_matches_hand_computation():
     assert 0 < int(clipped.sum()) < int((adv != 0).sum())  # some sequences clipped, not all
     loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.seq_mean_token_mean(per_token), rel=1e-5, abs=1e-6)
-    assert metrics["policy/clip_frac"] == pytest.approx(m.token_mean(clipped[:, None].expand_as(logp).double()), abs=1e-6)
+    assert metrics["policy/clip_frac"] == pytest.approx(
+        m.token_mean(clipped[:, None].expand_as(logp).double()), abs=1e-6
+    )
     assert metrics["policy/ratio_mean"] == pytest.approx(m.token_mean(s[:, None].expand_as(logp)), rel=1e-5)
     assert metrics["policy/entropy"] == pytest.approx(m.token_mean(ent), rel=1e-5)
 
@@ -266,7 +280,9 @@ def test_cispo_loss_matches_hand_computation(clip_eps):
     ratio = torch.exp(logp - batch.behaviour_logprobs.double())
     weight = ratio.clamp(min=None if clip_eps is None else 1 - clip_eps, max=1.25)
     m = Masked(batch.completion_mask)
-    clipped = (ratio > 1.25) | ((ratio < 1 - clip_eps) if clip_eps is not None else torch.zeros_like(ratio, dtype=torch.bool))
+    clipped = (ratio > 1.25) | (
+        (ratio < 1 - clip_eps) if clip_eps is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    )
     assert 0 < m.token_mean(clipped.double()) < 1
     loss, metrics = algo.loss(batch)
     assert loss.item() == pytest.approx(m.token_mean(-weight * adv * logp), rel=1e-5, abs=1e-6)
@@ -308,8 +324,18 @@ def test_each_example_trains_through_the_cli(name, tmp_path, capsys):
     from palestra import cli
 
     out = tmp_path / "runs"
-    code = cli.main(["train", "--config", str(REPO / "examples" / f"{name}.yaml"), "train.steps=3", "train.eval_size=4",
-                     "train.batch_size=4", "train.group_size=4", f"run.output_dir={out}"])
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            str(REPO / "examples" / f"{name}.yaml"),
+            "train.steps=3",
+            "train.eval_size=4",
+            "train.batch_size=4",
+            "train.group_size=4",
+            f"run.output_dir={out}",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "\ntrained 3 steps in " in captured.out

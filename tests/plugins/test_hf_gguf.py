@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import tiny_gguf
+
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.models.policy import CausalLMPolicy
 from palestra.types import Message, Observation
@@ -40,7 +41,9 @@ def build(**options) -> CausalLMPolicy:
     return build_component("policy", {"name": "hf", "options": options}, path="policy")
 
 
-OBSERVATION = Observation("What is 12 + 7?", messages=[Message("user", "What is 12 + 7? Put the answer in <answer></answer>.")])
+OBSERVATION = Observation(
+    "What is 12 + 7?", messages=[Message("user", "What is 12 + 7? Put the answer in <answer></answer>.")]
+)
 
 
 def scores(policy: CausalLMPolicy) -> torch.Tensor:
@@ -51,7 +54,9 @@ def scores(policy: CausalLMPolicy) -> torch.Tensor:
 
 
 def test_a_gguf_file_alone_in_its_folder_loads_as_the_model_it_was_written_from(files: dict[str, Path]) -> None:
-    assert sorted(p.name for p in files["gguf"].parent.iterdir()) == [tiny_gguf.GGUF_NAME]  # no config.json, no tokenizer files
+    assert sorted(p.name for p in files["gguf"].parent.iterdir()) == [
+        tiny_gguf.GGUF_NAME
+    ]  # no config.json, no tokenizer files
     from_gguf = build(path=str(files["gguf"].parent), gguf_file=tiny_gguf.GGUF_NAME)
     reference = build(path=str(files["hf"]))
     # the tokenizer, its BOS and its chat template come from the file's metadata
@@ -79,8 +84,9 @@ def test_a_quantised_gguf_is_dequantised_to_float32(files: dict[str, Path]) -> N
     torch.testing.assert_close(got, want, rtol=0, atol=0.5)
 
 
-def test_a_package_path_resolves_to_its_folder_without_running_the_package(files: dict[str, Path], tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_package_path_resolves_to_its_folder_without_running_the_package(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "site" / "palestra_test_model_pkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise RuntimeError('imported')\n")  # importing it would fail the load
@@ -96,15 +102,21 @@ def test_a_package_path_resolves_to_its_folder_without_running_the_package(files
     [
         ({"path": "package:palestra_no_such_pkg"},
          r"^policy\.options\.path: package 'palestra_no_such_pkg' is not installed; pip install palestra-no-such-pkg$"),
-        ({"path": "package:os.path"}, r"^policy\.options\.path: 'package:os\.path' must be package:NAME with NAME a top-level package"),
-        ({"path": "{gguf_dir}"}, r"^policy\.options\.path: '.+' holds no config\.json but GGUF files \(tiny-llama\.gguf\); set policy\.options\.gguf_file"),
-        ({"path": "{gguf_dir}", "gguf_file": "other.gguf"}, r"^policy\.options\.gguf_file: '.+other\.gguf' does not exist \(.+ holds tiny-llama\.gguf\)$"),
-        ({"path": "{hf_dir}", "gguf_file": "config.json"}, r"^policy\.options\.gguf_file: '.+config\.json' is not a GGUF file"),
+        ({"path": "package:os.path"},
+         r"^policy\.options\.path: 'package:os\.path' must be package:NAME with NAME a top-level package"),
+        ({"path": "{gguf_dir}"},
+         r"^policy\.options\.path: '.+' holds no config\.json but GGUF files \(tiny-llama\.gguf\); "
+         r"set policy\.options\.gguf_file"),
+        ({"path": "{gguf_dir}", "gguf_file": "other.gguf"},
+         r"^policy\.options\.gguf_file: '.+other\.gguf' does not exist \(.+ holds tiny-llama\.gguf\)$"),
+        ({"path": "{hf_dir}", "gguf_file": "config.json"},
+         r"^policy\.options\.gguf_file: '.+config\.json' is not a GGUF file"),
         ({"path": "{gguf_dir}", "gguf_file": ""}, r"^policy\.options\.gguf_file: must name a \.gguf file"),
     ],
 )  # fmt: skip
-def test_bad_gguf_and_package_options_are_one_line_naming_the_key(files: dict[str, Path], options: dict[str, str],
-                                                                   message: str) -> None:
+def test_bad_gguf_and_package_options_are_one_line_naming_the_key(
+    files: dict[str, Path], options: dict[str, str], message: str
+) -> None:
     filled = {k: v.format(gguf_dir=files["gguf"].parent, hf_dir=files["hf"]) for k, v in options.items()}
     with pytest.raises(ConfigError, match=message) as caught:
         build(**filled)
@@ -137,7 +149,8 @@ def test_a_gguf_model_trains_through_the_trainer(files: dict[str, Path], tmp_pat
     config = validate_config({
         "run": {"name": "gguf", "seed": 0, "output_dir": str(tmp_path)},
         "environment": {"name": "arithmetic", "options": {"difficulty": 1}},  # chat-style prompts: the file's template
-        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},  # partial credit: rewards vary in a group
+        # partial credit: rewards vary in a group
+        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
         "policy": {"name": "hf", "options": {"path": str(files["gguf"].parent), "gguf_file": tiny_gguf.GGUF_NAME}},
         "optimizer": {"name": "grpo"},
         "loggers": [],

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import tiny_hf
+
 from palestra.config import ConfigError, build_component, validate_config
 from palestra.engine import checkpoint as ckpt
 from palestra.models.policy import CausalLMPolicy
@@ -76,7 +77,9 @@ def test_only_the_adapters_train_and_only_a_lora_policy_is_an_adapter_policy(fol
     assert adapted == {"q_proj", "v_proj", "up_proj"}
     assert set(policy.adapter_state_dict()) == trainable
     # 2 layers x 3 modules x (A: r x in + B: out x r)
-    assert sum(p.numel() for n, p in policy.named_parameters() if n in trainable) < 0.2 * sum(p.numel() for p in plain.parameters())
+    assert sum(p.numel() for n, p in policy.named_parameters() if n in trainable) < 0.2 * sum(
+        p.numel() for p in plain.parameters()
+    )
 
 
 def test_null_targets_take_peft_defaults_and_all_linear_adapts_every_linear_layer(folders: dict[str, Path]) -> None:
@@ -91,19 +94,24 @@ def test_null_targets_take_peft_defaults_and_all_linear_adapts_every_linear_laye
     ("lora", "message"),
     [
         ({"target_modules": ["q_proj", "qproj"]},
-         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; the layers LoRA "
-         r"can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$"),
+         r"^policy\.options\.lora\.target_modules\[1\]: 'qproj' matches no module of the model at '.+'; "
+         r"the layers LoRA can adapt: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, "
+         r"v_proj$"),
         ({"target_modules": ["input_layernorm"]},
-         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' names LlamaRMSNorm modules, which LoRA cannot adapt"),
+         r"^policy\.options\.lora\.target_modules\[0\]: 'input_layernorm' "
+         r"names LlamaRMSNorm modules, which LoRA cannot adapt"),
         ({"target_modules": []}, r"^policy\.options\.lora\.target_modules: is an empty list"),
-        ({"target_modules": "attention"}, r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),
+        ({"target_modules": "attention"},
+         r"^policy\.options\.lora\.target_modules: a string must be 'all-linear', got 'attention'"),
         ({"r": 0}, r"^policy\.options\.lora\.r: must be >= 1, got 0$"),
         ({"alpha": -1}, r"^policy\.options\.lora\.alpha: must be > 0"),
         ({"dropout": 1.0}, r"^policy\.options\.lora\.dropout: must be < 1\.0, got 1\.0$"),
         ({"rank": 8}, r"^policy\.options\.lora\.rank: unknown key"),
     ],
 )  # fmt: skip
-def test_bad_lora_options_are_one_line_naming_the_key(folders: dict[str, Path], lora: dict[str, Any], message: str) -> None:
+def test_bad_lora_options_are_one_line_naming_the_key(
+    folders: dict[str, Path], lora: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message) as caught:
         build(folders["llama"], lora=lora)
     assert "\n" not in str(caught.value)
@@ -150,7 +158,8 @@ def make_config(folder: Path, output_dir: Path, *, algorithm: str = "grpo", step
     return validate_config({
         "run": {"name": "lora", "seed": 0, "output_dir": str(output_dir)},
         "environment": {"name": "arithmetic", "options": {"difficulty": 1}},
-        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},  # partial credit: rewards vary in a group
+        # partial credit: rewards vary in a group
+        "reward": {"name": "length", "options": {"target": 8, "unit": "chars"}},
         "policy": {"name": "hf", "options": {"path": str(folder), "lora": LORA}},
         "optimizer": {"name": algorithm, "options": options},
         "loggers": [],
@@ -161,8 +170,9 @@ def make_config(folder: Path, output_dir: Path, *, algorithm: str = "grpo", step
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_the_trainer_optimises_only_adapters_against_the_frozen_base(folders: dict[str, Path], tmp_path: Path,
-                                                                    algorithm: str) -> None:
+def test_the_trainer_optimises_only_adapters_against_the_frozen_base(
+    folders: dict[str, Path], tmp_path: Path, algorithm: str
+) -> None:
     from palestra.engine.trainer import Trainer
 
     trainer = Trainer(make_config(folders["qwen2"], tmp_path, algorithm=algorithm), run_dir=tmp_path / "run")
@@ -199,13 +209,17 @@ def test_a_lora_checkpoint_that_does_not_fit_is_one_line(folders: dict[str, Path
     loaded = ckpt.load_checkpoint(path)  # weights_only and checksum, as for any checkpoint
     name = next(k for k in loaded["policy"] if "lora_A" in k)
     wrong = {**loaded, "policy": {**loaded["policy"], name: torch.zeros(3, 3)}}
-    with pytest.raises(ckpt.CheckpointError, match=rf"parameter '{name}' is \[3, 3\] in the checkpoint and \[4, 32\] in the policy"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=rf"parameter '{name}' is \[3, 3\] in the checkpoint and \[4, 32\] in the policy"
+    ):
         trainer.load_state(wrong, source="wrong.pt")
     missing = {**loaded, "policy": {k: v for k, v in loaded["policy"].items() if k != name}}
     with pytest.raises(ckpt.CheckpointError, match=rf"parameter '{name}' \[4, 32\] is not in the checkpoint"):
         trainer.load_state(missing, source="missing.pt")
     full = {**loaded, "policy_adapters": False}
-    with pytest.raises(ckpt.CheckpointError, match=r"holds every weight but the policy built from its config .* trains LoRA adapters"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"holds every weight but the policy built from its config .* trains LoRA adapters"
+    ):
         trainer.load_state(full, source="full.pt")
 
 
@@ -213,8 +227,9 @@ def test_a_lora_checkpoint_that_does_not_fit_is_one_line(folders: dict[str, Path
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute")  # AutoPeft on a folder that has both
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft reads it
-def test_save_pretrained_writes_a_folder_transformers_loads_with_the_policys_logits(folders: dict[str, Path], tmp_path: Path,
-                                                                                  merge: bool) -> None:
+def test_save_pretrained_writes_a_folder_transformers_loads_with_the_policys_logits(
+    folders: dict[str, Path], tmp_path: Path, merge: bool
+) -> None:
     from transformers import AutoModelForCausalLM
 
     policy = build(folders["qwen2"], lora=LORA).eval()

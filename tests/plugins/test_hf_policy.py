@@ -14,9 +14,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere i
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
+import tiny_hf
 import torch
 
-import tiny_hf
 from palestra.config import ConfigError, build_component
 from palestra.models.policy import CausalLMPolicy
 from palestra.types import Message, Observation, SamplingParams
@@ -192,7 +192,11 @@ def test_chat_template_on_off_and_auto(folders: dict[str, Path], policies: dict[
 def test_gradient_checkpointing_gives_the_same_gradients(folders: dict[str, Path]) -> None:
     plain = build(folders["qwen2"])
     checked = build(folders["qwen2"], gradient_checkpointing=True)
-    flag = "is_activation_checkpointing" if hasattr(plain.model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(plain.model, "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     assert getattr(checked.model, flag) and not getattr(plain.model, flag)
     assert checked.training and checked.model.training  # HF checkpoints only in training mode
     ids, mask = plain.encode_observations(OBSERVATIONS)
@@ -221,7 +225,9 @@ def test_deepcopy_gives_an_independent_equal_policy(policies: dict[str, CausalLM
     ids, mask = policy.encode_observations(OBSERVATIONS)
     comp, cmask = random_completions(policy, len(OBSERVATIONS), 4, seed=9)
     with torch.no_grad():
-        torch.testing.assert_close(ref.score(ids, mask, comp, cmask).logprobs, policy.score(ids, mask, comp, cmask).logprobs)
+        torch.testing.assert_close(
+            ref.score(ids, mask, comp, cmask).logprobs, policy.score(ids, mask, comp, cmask).logprobs
+        )
         next(ref.parameters()).add_(1.0)
     assert not torch.equal(next(ref.parameters()), next(policy.parameters()))
 
@@ -257,7 +263,14 @@ def test_tokenizer_bigger_than_the_model_names_both_paths_and_sizes(folders: dic
     with pytest.raises(ConfigError) as err:
         build(model_dir, tokenizer_path=str(tok_dir))
     n = len(tiny_hf.build_tokenizer(add_bos=True, pad=True))
-    assert_one_line(err, "policy.options.tokenizer_path:", repr(str(tok_dir)), repr(str(model_dir)), f"{n} tokens", "48 embedding rows")
+    assert_one_line(
+        err,
+        "policy.options.tokenizer_path:",
+        repr(str(tok_dir)),
+        repr(str(model_dir)),
+        f"{n} tokens",
+        "48 embedding rows",
+    )
 
 
 def test_not_a_causal_lm(folders: dict[str, Path]) -> None:
@@ -267,7 +280,9 @@ def test_not_a_causal_lm(folders: dict[str, Path]) -> None:
 
 
 # ---- sampling through palestra.models.sampling ------------------------------------------------------------------
-def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, stops: list[int]) -> list[list[int]]:
+def hf_greedy(
+    policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, stops: list[int]
+) -> list[list[int]]:
     """``model.generate(do_sample=False)`` from the same left-padded prompts, each row cut after its first stop.
 
     Ids past the tokenizer (a padded embedding, as Qwen's) are suppressed, as our policy never produces them.
@@ -293,7 +308,9 @@ def hf_greedy(policy: CausalLMPolicy, prompt_ids: torch.Tensor, prompt_mask: tor
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_sampling_matches_hf_generate(policies: dict[str, CausalLMPolicy], name: str) -> None:
-    sampling = pytest.importorskip("palestra.models.sampling", reason="palestra.models.sampling (the KV-cache sampler) is not in the tree yet")
+    sampling = pytest.importorskip(
+        "palestra.models.sampling", reason="palestra.models.sampling (the KV-cache sampler) is not in the tree yet"
+    )
     policy = policies[name]
     eos = policy.tokenizer.eos_token_id
     policy.eval()
@@ -316,8 +333,9 @@ def test_greedy_sampling_matches_hf_generate(policies: dict[str, CausalLMPolicy]
     assert max(len(r) for r in theirs) > 1 and min(len(r) for r in theirs_stop) <= 6
 
 
-def test_generation_can_use_another_attention_than_training(folders: dict[str, Path],
-                                                            policies: dict[str, CausalLMPolicy]) -> None:
+def test_generation_can_use_another_attention_than_training(
+    folders: dict[str, Path], policies: dict[str, CausalLMPolicy]
+) -> None:
     """attn_implementation=eager with generation_attn_implementation=sdpa: the KV-cache decoding runs under sdpa,
     every other forward under eager, and both give the plain policy's numbers."""
     from palestra.models.sampling import generate
@@ -355,7 +373,9 @@ def test_a_padded_output_head_never_yields_ids_the_tokenizer_lacks(policies: dic
     try:
         with torch.no_grad():  # make a padded row the most likely token everywhere: it still must never appear
             weight[n:] = weight[:1] * 50
-        gen = sampling.generate(policy, OBSERVATIONS, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))
+        gen = sampling.generate(
+            policy, OBSERVATIONS, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0)
+        )
         scores = policy.score(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
     finally:
         with torch.no_grad():

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from palestra.config import ConfigError, build_component
-from palestra.cli.dashboard import MetricsFileWarning, read_metrics
+
 from palestra import MissingDependency
+from palestra.cli.dashboard import MetricsFileWarning, read_metrics
+from palestra.config import ConfigError, build_component
 from palestra.plugin_manager import get_registry
 from palestra.plugins.loggers.tensorboard import TensorBoardLogger
 from palestra.plugins.loggers.wandb import WandbLogger
@@ -57,14 +58,25 @@ def test_jsonl_lines_round_trip_with_step_time_and_null_for_non_finite(tmp_path:
     log.open(tmp_path, CONFIG)
     before = time.time()
     log.log(metrics_at(1), step=1)
-    log.log({"reward/mean": math.nan, "grad/norm": math.inf, "count": 3, "np": np.float32(0.5), "t": torch.tensor(0.25)}, step=2)
+    log.log(
+        {"reward/mean": math.nan, "grad/norm": math.inf, "count": 3, "np": np.float32(0.5), "t": torch.tensor(0.25)},
+        step=2,
+    )
     # each line is flushed at once: readable while the logger is still open (a crash keeps it)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     first, second = (json.loads(line) for line in lines)
     assert first == {"step": 1, "time": first["time"], **metrics_at(1)}
     assert list(first)[:2] == ["step", "time"] and before - 1 <= first["time"] <= time.time() + 1
-    assert second == {"step": 2, "time": second["time"], "reward/mean": None, "grad/norm": None, "count": 3, "np": 0.5, "t": 0.25}
+    assert second == {
+        "step": 2,
+        "time": second["time"],
+        "reward/mean": None,
+        "grad/norm": None,
+        "count": 3,
+        "np": 0.5,
+        "t": 0.25,
+    }
     assert "NaN" not in lines[1] and "Infinity" not in lines[1]
     log.close()
 
@@ -102,7 +114,9 @@ def test_jsonl_rejects_bad_input_in_one_line(tmp_path: Path) -> None:
 
 
 # ---- console -----------------------------------------------------------------------------------------
-def test_console_writes_plain_lines_with_key_metrics_when_not_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_console_writes_plain_lines_with_key_metrics_when_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log = logger("console", every=10)
     log.open(tmp_path / "demo", CONFIG)
     for step in range(1, 26):
@@ -130,7 +144,10 @@ def test_console_keys_option_and_the_final_line_on_close(tmp_path: Path, capsys:
     assert [line.split()[1] for line in lines] == ["1", "5"]
     m = metrics_at(5)
     # "loss", then the reward/* keys in sorted order, under their short names where they have one
-    assert lines[-1].split(" | ")[1] == f"loss -0.625 ema {m['reward/ema']:.4g} reward/format 0.625 reward {m['reward/mean']:.4g}"
+    assert (
+        lines[-1].split(" | ")[1]
+        == f"loss -0.625 ema {m['reward/ema']:.4g} reward/format 0.625 reward {m['reward/mean']:.4g}"
+    )
     assert "ent " not in lines[-1]  # not among the chosen keys
 
 
@@ -179,15 +196,21 @@ def test_missing_optional_packages_are_one_line_naming_the_extra(monkeypatch: py
     for name in ("tensorboard", "wandb"):
         with pytest.raises(ConfigError) as info:  # the config naming it is refused before anything is built
             logger(name)
-        assert str(info.value) == (f"loggers[0].name: logger {name!r} needs the Python package {name!r}, which is not "
-                                   f'installed; install it with: pip install "palestra[{name}]"')
-    with pytest.raises(MissingDependency) as missing:  # building it directly (installed but broken): the one error class
+        assert str(info.value) == (
+            f"loggers[0].name: logger {name!r} needs the Python package {name!r}, which is not "
+            f'installed; install it with: pip install "palestra[{name}]"'
+        )
+    with pytest.raises(
+        MissingDependency
+    ) as missing:  # building it directly (installed but broken): the one error class
         TensorBoardLogger()
     assert str(missing.value) == (
         "the tensorboard logger needs the Python package 'tensorboard', which fails to import (import of "
         'torch.utils.tensorboard halted; None in sys.modules); install it with: pip install "palestra[tensorboard]"'
     )
-    with pytest.raises(MissingDependency, match=r"^the wandb logger needs the Python package 'wandb', which is not installed; "):
+    with pytest.raises(
+        MissingDependency, match=r"^the wandb logger needs the Python package 'wandb', which is not installed; "
+    ):
         WandbLogger()
 
 
@@ -225,7 +248,9 @@ class _Listener:
 
 
 @pytest.mark.slow
-def test_wandb_offline_writes_under_the_run_dir_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_writes_under_the_run_dir_without_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     listener = _Listener()
     try:
         # Any request wandb made (to its server, or through a proxy to anywhere) would reach the listener.
@@ -252,5 +277,11 @@ def test_wandb_offline_writes_under_the_run_dir_without_network(tmp_path: Path, 
     assert len(runs) == 1
     data = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
     # the transaction log holds the metric names and the JSON of their values, the run's name and config
-    for needle in (b"reward/mean", b"policy/kl", b"demo", b"palestra-test", json.dumps(metrics_at(3)["reward/mean"]).encode()):
+    for needle in (
+        b"reward/mean",
+        b"policy/kl",
+        b"demo",
+        b"palestra-test",
+        json.dumps(metrics_at(3)["reward/mean"]).encode(),
+    ):
         assert needle in data

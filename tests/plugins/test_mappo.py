@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 import torch
+
 from palestra.config import AgentsConfig, TrainConfig
 from palestra.context import TrainContext
 from palestra.engine.learner import Learner
+from palestra.engine.rollout import collect
+from palestra.multiagent.credit import credit_plan
 from palestra.multiagent.sharing import MultiAgentPolicy
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.tiny import TinyTransformerPolicy
-from palestra.engine.rollout import collect
-from palestra.multiagent.credit import credit_plan
 from palestra.types import Observation, RewardOutput, SamplingParams, StepResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,10 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 AGENTS = ("left", "right")
 
 
-
-
 class HandOver:
-    """Two turns: ``left`` sees ``L?`` and should say ``1``; ``right`` sees ``R<left's answer>?`` and should say ``0``."""
+    """Two turns: ``left`` sees ``L?``, should say ``1``; ``right`` sees ``R<left's answer>?``, should say ``0``."""
 
     agent_ids = AGENTS
     max_turns = 2
@@ -39,17 +38,27 @@ class HandOver:
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:
         self.turn = 0
         n = batch_size * group_size
-        return [Observation(prompt="L?", agent_id="left", metadata={"task": i // group_size, "state": "L?"}) for i in range(n)]
+        return [
+            Observation(prompt="L?", agent_id="left", metadata={"task": i // group_size, "state": "L?"})
+            for i in range(n)
+        ]
 
     def step(self, actions: Sequence[str | None]) -> StepResult:
         self.turn += 1
         if self.turn == 1:
-            obs = [Observation(prompt=f"R{a[:1]}?", agent_id="right", turn=1, metadata={"state": f"L? {a[:1]}"}) for a in actions]
+            obs = [
+                Observation(prompt=f"R{a[:1]}?", agent_id="right", turn=1, metadata={"state": f"L? {a[:1]}"})
+                for a in actions
+            ]
             return StepResult(observations=obs, done=[False] * len(actions), info=[{"left": {}} for _ in actions])
-        return StepResult(observations=[None] * len(actions), done=[True] * len(actions), info=[{"right": {}} for _ in actions])
+        return StepResult(
+            observations=[None] * len(actions), done=[True] * len(actions), info=[{"right": {}} for _ in actions]
+        )
 
 
-def hand_over_reward(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+def hand_over_reward(
+    prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict[str, Any]]
+) -> RewardOutput:
     """Role ``left``: its answer is ``1``. Role ``right`` (the team reward: the last turn): half for left's ``1``
     (read from right's prompt), half for its own ``0``."""
     scores, own = [], []
@@ -61,16 +70,32 @@ def hand_over_reward(prompts: Sequence[str], completions: Sequence[str], metadat
 
 
 def tiny_policy(seed: int = 0) -> TinyTransformerPolicy:
-    return TinyTransformerPolicy(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32, alphabet="01LR?", atoms=[], seed=seed)
+    return TinyTransformerPolicy(
+        d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32, alphabet="01LR?", atoms=[], seed=seed
+    )
 
 
 def train_config(**kw: Any) -> TrainConfig:
-    base = {"steps": 100, "batch_size": 16, "group_size": 1, "lr": 1e-2, "max_new_tokens": 2, "track_update_ratio": False}
+    base = {
+        "steps": 100,
+        "batch_size": 16,
+        "group_size": 1,
+        "lr": 1e-2,
+        "max_new_tokens": 2,
+        "track_update_ratio": False,
+    }
     return TrainConfig(**{**base, **kw})
 
 
-def build(*, shared=("embedding", "encoder"), independent=("decoder",), update_frequency=1, credit="team",
-          train: dict | None = None, **options: Any):
+def build(
+    *,
+    shared=("embedding", "encoder"),
+    independent=("decoder",),
+    update_frequency=1,
+    credit="team",
+    train: dict | None = None,
+    **options: Any,
+):
     torch.manual_seed(0)
     policy = MultiAgentPolicy(
         tiny_policy(), AgentsConfig(list(shared), list(independent), update_frequency, credit), AGENTS
@@ -85,11 +110,20 @@ GEN = None
 def rollout(policy, algo, step: int, credit: str = "team", batch: int = 16):
     global GEN
     GEN = GEN or get_registry().get("generator", "kv_cache").factory()
-    ro = collect(HandOver(), policy, GEN, SamplingParams(max_new_tokens=2), batch, seed=step,
-                 rng=torch.Generator().manual_seed(1000 + step))
+    ro = collect(
+        HandOver(),
+        policy,
+        GEN,
+        SamplingParams(max_new_tokens=2),
+        batch,
+        seed=step,
+        rng=torch.Generator().manual_seed(1000 + step),
+    )
     plan = credit_plan(ro.episodes, AGENTS, credit)
     team, agent_scores, metrics = plan.assign(hand_over_reward(*plan.rows))
-    exp = ro.experience(team.scores, team.components, pad_token_id=policy.tokenizer.pad_token_id, agent_scores=agent_scores)
+    exp = ro.experience(
+        team.scores, team.components, pad_token_id=policy.tokenizer.pad_token_id, agent_scores=agent_scores
+    )
     return exp, float(team.scores.mean()), metrics
 
 
@@ -105,8 +139,10 @@ def test_per_agent_optimisers_are_separate_objects_covering_exactly_their_parame
     critic = [p for g in algo.optimizers["critic"].param_groups for p in g["params"]]
     assert [id(p) for p in critic] == [id(p) for p in algo.algorithm.critic.parameters()]
     assert not {id(p) for p in critic} & {id(p) for p in policy.parameters()}, "the critic is its own network"
-    assert {id(p) for p in policy.agent_parameters("left")} == {id(policy.for_agent("left").lm_head.weight),
-                                                                id(policy.for_agent("left").norm.weight)}
+    assert {id(p) for p in policy.agent_parameters("left")} == {
+        id(policy.for_agent("left").lm_head.weight),
+        id(policy.for_agent("left").norm.weight),
+    }
     _, single = build(per_agent_optimizer=False)
     assert set(single.optimizers) == {"policy", "critic"}
 
@@ -179,7 +215,7 @@ def test_team_credit_gives_every_row_the_episode_reward_and_role_credit_each_age
     assert set(metrics) == {"reward/agent/left", "reward/agent/right"}
 
 
-# ---- learning ----------------------------------------------------------------------------------------------------------
+# ---- learning --------------------------------------------------------------------------------------------------------
 @pytest.mark.learning
 @pytest.mark.parametrize("ippo", [False, True])
 def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
@@ -194,7 +230,7 @@ def test_mappo_and_ippo_raise_the_reward_quickly(ippo: bool) -> None:
     assert last > 0.8 and last - first > 0.4, f"ippo={ippo}: {first:.2f} -> {last:.2f}: {rewards}"
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 def test_state_dict_round_trip_is_exact() -> None:
     policy, algo = build(update_frequency=3)
     for step in range(2):  # leaves an open accumulation window
@@ -216,7 +252,12 @@ def test_state_dict_round_trip_is_exact() -> None:
         assert torch.equal(a, b), name
     for (name, a), b in zip(algo.algorithm.critic.state_dict().items(), other.algorithm.critic.state_dict().values()):
         assert torch.equal(a, b), name
-    torch.testing.assert_close(algo.algorithm.value_normalizer.state_dict()["moments"]["mean"], other.algorithm.value_normalizer.state_dict()["moments"]["mean"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        algo.algorithm.value_normalizer.state_dict()["moments"]["mean"],
+        other.algorithm.value_normalizer.state_dict()["moments"]["mean"],
+        rtol=0,
+        atol=0,
+    )
 
 
 # ---- the shared learner loop: MAPPO gets every memory and precision switch -------------------------------------
@@ -234,7 +275,9 @@ def first_step_gradients(train: dict) -> list[torch.Tensor]:
     policy, algo = build(train={"max_grad_norm": None, **train})
     exp, _, _ = rollout(policy, algo, 0)
     algo.update(algo.prepare(exp))
-    return [opt.state[t]["exp_avg"] / 0.1 for name, opt in algo.optimizers.items() for t in algo.optimizer_set.stepped[name]]
+    return [
+        opt.state[t]["exp_avg"] / 0.1 for name, opt in algo.optimizers.items() for t in algo.optimizer_set.stepped[name]
+    ]
 
 
 def test_token_budget_and_offload_give_the_plain_update() -> None:

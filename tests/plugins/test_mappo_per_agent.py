@@ -1,4 +1,5 @@
-"""MAPPO's per-agent math (palestra.plugins.optimizers.mappo.per_agent) against float64 hand computations (plain Python loops over rows and agents) on random inputs.
+"""MAPPO's per-agent math (palestra.plugins.optimizers.mappo.per_agent) against float64 hand computations (plain
+Python loops over rows and agents) on random inputs.
 
 Edge cases throughout: fully masked rows, T=1, one agent, an agent absent from the batch.
 """
@@ -9,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from palestra.plugins.optimizers.mappo.per_agent import (
     ValueNormalizer,
     normalize_advantages_per_agent,
@@ -111,7 +113,9 @@ def test_value_normalizer_state_dict_is_exact_and_merge_is_exact():
 
 def test_value_normalizer_errors_are_one_line():
     vn = ValueNormalizer(2)
-    with pytest.raises(ValueError, match=r"ValueNormalizer.update: agent_index has shape \[3\], expected \[4\] or \[4, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"ValueNormalizer.update: agent_index has shape \[3\], expected \[4\] or \[4, 2\]"
+    ):
         vn.update(torch.zeros(4, 2), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"agent_index has value 2; ids must lie in \[0, 2\)"):
         vn.normalize(torch.zeros(2), torch.tensor([0, 2]))
@@ -152,7 +156,7 @@ def test_per_agent_gae_errors():
 
 
 # ---- advantage normalisation ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("B,T,A", SHAPES + [(7, 3, 4)])
+@pytest.mark.parametrize("B,T,A", [*SHAPES, (7, 3, 4)])
 def test_normalize_advantages_per_agent_by_hand(B, T, A):
     adv, _, m, agent = batch(B, T, A, seed=7 + B)
     adv = adv * (agent[:, None].float() * 10 + 1)  # very different scales per agent

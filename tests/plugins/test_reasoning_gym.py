@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra import cli
 from palestra.cli.plugins import describe, format_table
 from palestra.config import ConfigError, build_component, load_config
@@ -101,14 +102,17 @@ def answered(observations: list[Any], wrong: set[int] = frozenset()) -> list[str
 
 # ---- the package missing ------------------------------------------------------------------------------------
 def test_importing_the_plugin_does_not_import_reasoning_gym() -> None:
-    code = "import sys, palestra.plugins.envs.reasoning_gym as m; from palestra.plugin_manager import get_registry; " \
-           "get_registry(); print('reasoning_gym' in sys.modules)"
+    code = (
+        "import sys, palestra.plugins.envs.reasoning_gym as m; from palestra.plugin_manager import get_registry; "
+        "get_registry(); print('reasoning_gym' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
 
 
 def test_without_the_package_it_is_listed_unavailable_and_asking_for_it_is_one_line() -> None:
-    runs = cli_hidden(["plugins", "--all"], ["plugins", "--all", "--json"], ["config", "show", "environment.name=reasoning_gym"],
+    runs = cli_hidden(["plugins", "--all"], ["plugins", "--all", "--json"],
+                      ["config", "show", "environment.name=reasoning_gym"],
                       ["config", "show", "reward.name=reasoning_gym"])  # fmt: skip
     code, table, err = runs["plugins --all"]
     assert code == 0, err
@@ -132,7 +136,10 @@ def test_without_the_package_it_is_listed_unavailable_and_asking_for_it_is_one_l
         )
     kind, message = runs["direct"]
     assert kind == "MissingDependency"
-    assert message == f"the reasoning_gym environment needs the Python package 'reasoning_gym', which is not installed; install it with: {INSTALL}"
+    assert message == (
+        "the reasoning_gym environment needs the Python package "
+        f"'reasoning_gym', which is not installed; install it with: {INSTALL}"
+    )
 
 
 def test_a_registration_can_require_a_package() -> None:
@@ -154,24 +161,44 @@ def test_a_registration_can_require_a_package() -> None:
     assert ("environment", "gone") in registry and registry.names("environment") == ["gone", "here"]
     with pytest.raises(MissingDependency, match=r"^test_a_registration_can_require_a_package.<locals>.factory needs "):
         missing()
-    info_ = PluginInfo(name="extra", module="extra", distribution="extra-dist", version="1.0", builtin=False,
-                       hooks=("register_environments",))
+    info_ = PluginInfo(
+        name="extra",
+        module="extra",
+        distribution="extra-dist",
+        version="1.0",
+        builtin=False,
+        hooks=("register_environments",),
+    )
     row = describe(info_, registry)
     assert row["environments"] == ["gone", "here"]
-    assert row["unavailable"] == [{"kind": "environment", "name": "gone", "requires": "palestra_no_such_package",
-                                   "install": "pip install no-such"}]
+    assert row["unavailable"] == [
+        {
+            "kind": "environment",
+            "name": "gone",
+            "requires": "palestra_no_such_package",
+            "install": "pip install no-such",
+        }
+    ]
     assert "environments: gone (unavailable: pip install no-such), here" in format_table([row])
 
 
 # ---- the environment and the reward ------------------------------------------------------------------------
 @needs_rg
 def test_basic_arithmetic_scored_by_its_own_scorer() -> None:
-    e = env(task="basic_arithmetic", size=100, eval_size=10,
-            task_options={"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"]}})
+    e = env(
+        task="basic_arithmetic",
+        size=100,
+        eval_size=10,
+        task_options={"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"]}},
+    )
     obs = e.reset(4, seed=1, group_size=2)
-    assert obs[0].prompt.endswith("\n\nPut only the final answer in <answer></answer>.") and obs[0].stop == ["</answer>"]
+    assert obs[0].prompt.endswith("\n\nPut only the final answer in <answer></answer>.") and obs[0].stop == [
+        "</answer>"
+    ]
     assert obs[0].prompt.startswith(obs[0].metadata["question"])
-    assert all(o.metadata["task"] == "basic_arithmetic" and o.metadata["entry"]["answer"] == o.metadata["answer"] for o in obs)
+    assert all(
+        o.metadata["task"] == "basic_arithmetic" and o.metadata["entry"]["answer"] == o.metadata["answer"] for o in obs
+    )
     assert all(o.metadata["entry"]["metadata"]["num_terms"] == 2 for o in obs)  # task_options reached the data set
     r = reward()
     out = r([o.prompt for o in obs], answered(obs, wrong={1, 4}), [o.metadata for o in obs])
@@ -180,21 +207,29 @@ def test_basic_arithmetic_scored_by_its_own_scorer() -> None:
     assert r(["p"], ["no tag at all"], [obs[0].metadata]).scores.tolist() == [0.0]
     # the correctness reward reads the same metadata
     correctness = build_component("reward", {"name": "correctness"}, path="reward")
-    assert correctness([o.prompt for o in obs], answered(obs, wrong={1, 4}), [o.metadata for o in obs]).scores.tolist() == out.scores.tolist()
+    assert (
+        correctness([o.prompt for o in obs], answered(obs, wrong={1, 4}), [o.metadata for o in obs]).scores.tolist()
+        == out.scores.tolist()
+    )
     step = e.step(["x"] * 8)
     assert step.done == [True] * 8 and step.info[0] == {"assistant": {"expected": obs[0].metadata["answer"]}}
 
 
 @needs_rg
 def test_a_weighted_mix() -> None:
-    e = env(tasks={"chain_sum": 1.0, "leg_counting": 3.0}, task_options={"chain_sum": {"max_terms": 2}}, size=200, eval_size=20)
+    e = env(
+        tasks={"chain_sum": 1.0, "leg_counting": 3.0},
+        task_options={"chain_sum": {"max_terms": 2}},
+        size=200,
+        eval_size=20,
+    )
     obs = e.reset(40, seed=0)
     by_task = [o.metadata["task"] for o in obs]
     assert set(by_task) == {"chain_sum", "leg_counting"} and by_task.count("leg_counting") > by_task.count("chain_sum")
     out = reward()([o.prompt for o in obs], answered(obs, wrong={0}), [o.metadata for o in obs])
     assert out.scores.tolist() == [0.0] + [1.0] * 39
     assert set(out.metrics) == {"score/chain_sum", "score/leg_counting", "scorer_errors"}
-    assert [o.metadata["task_options"] for o in obs if o.metadata["task"] == "chain_sum"][0] == {"max_terms": 2}
+    assert next(o.metadata["task_options"] for o in obs if o.metadata["task"] == "chain_sum") == {"max_terms": 2}
 
 
 @needs_rg
@@ -203,7 +238,10 @@ def test_held_out_entries_come_from_their_own_seed_and_seeds_repeat() -> None:
     train = {o.metadata["question"] for o in e.reset(300, seed=0)}
     held = {o.metadata["question"] for o in e.held_out().reset(30, seed=0)}
     assert len(train) > 250 and len(held) == 30 and not train & held
-    assert {o.metadata["question"] for o in env(task="basic_arithmetic", size=300, eval_size=30, split="eval").reset(30, seed=3)} == held
+    assert {
+        o.metadata["question"]
+        for o in env(task="basic_arithmetic", size=300, eval_size=30, split="eval").reset(30, seed=3)
+    } == held
     again = env(task="basic_arithmetic", size=300, eval_size=30)
     assert [o.prompt for o in e.reset(5, seed=7)] == [o.prompt for o in again.reset(5, seed=7)]
     assert [o.prompt for o in e.reset(5, seed=7)] != [o.prompt for o in e.reset(5, seed=8)]
@@ -218,10 +256,15 @@ def test_the_environment_and_reward_keep_the_contract() -> None:
 @needs_rg
 def test_bad_options_are_one_line_each() -> None:
     def error(*overrides: str, build: bool = False) -> str:
-        with pytest.raises(ConfigError) as info:
+        """The one-line error loading the config with ``overrides`` (and building its environment, if ``build``)."""
+
+        def load() -> None:
             cfg = load_config(None, ["environment.name=reasoning_gym", *overrides])
             if build:
                 build_component("environment", cfg.environment, path="environment")
+
+        with pytest.raises(ConfigError) as info:
+            load()
         return str(info.value)
 
     assert error("environment.options.task=basic_arithmetc", build=True).startswith(
@@ -230,7 +273,10 @@ def test_bad_options_are_one_line_each() -> None:
     assert error("environment.options.task=chain_sum", "environment.options.tasks={leg_counting: 1}") == (
         "environment.options.task: set task or tasks (a weighted mix), not both"
     )
-    assert error("environment.options.tasks={chain_sum: 0}") == "environment.options.tasks.chain_sum: weights must be > 0, got 0.0"
+    assert (
+        error("environment.options.tasks={chain_sum: 0}")
+        == "environment.options.tasks.chain_sum: weights must be > 0, got 0.0"
+    )
     assert error("environment.options.task_options={chain_sum: {max_terms: 2}}") == (
         "environment.options.task_options.chain_sum: 'chain_sum' is not one of the tasks (basic_arithmetic)"
     )
@@ -240,14 +286,19 @@ def test_bad_options_are_one_line_each() -> None:
     assert error("environment.options.task_options={basic_arithmetic: {max_termz: 3}}", build=True).startswith(
         "environment.options.task_options.basic_arithmetic: reasoning_gym rejects the task options: "
     )
-    assert error("environment.options.prompt=Solve it", build=False) == "environment.options.prompt: must contain {question}"
+    assert (
+        error("environment.options.prompt=Solve it", build=False)
+        == "environment.options.prompt: must contain {question}"
+    )
 
 
 @needs_rg
 def test_the_reward_names_rows_from_another_environment() -> None:
     from palestra.checked_reward import RewardError
 
-    with pytest.raises(RewardError, match=r"raised on row 0 .*metadata has no 'entry'; the reasoning_gym reward scores rows"):
+    with pytest.raises(
+        RewardError, match=r"raised on row 0 .*metadata has no 'entry'; the reasoning_gym reward scores rows"
+    ):
         reward()(["p"], ["<answer>1</answer>"], [{"answer": "1"}])
 
 

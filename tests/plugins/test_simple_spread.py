@@ -98,4 +98,6 @@ def test_mappo_beats_random_policy():
     greedy = np.asarray(trainer.evaluate(EVAL_EPISODES, greedy=True))
     gain = greedy - rand
     se = gain.std(ddof=1) / np.sqrt(len(gain))
-    assert gain.mean() > MARGIN, f"MAPPO {greedy.mean():.2f} vs random {rand.mean():.2f}: gain {gain.mean():.2f} +- {se:.2f}"
+    assert gain.mean() > MARGIN, (
+        f"MAPPO {greedy.mean():.2f} vs random {rand.mean():.2f}: gain {gain.mean():.2f} +- {se:.2f}"
+    )

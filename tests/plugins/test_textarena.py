@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from palestra.config import ConfigError, build_component, load_config
 from palestra.engine.rollout import reward_rows, run_episodes
 from palestra.multiagent.credit import credit_plan
@@ -32,7 +33,9 @@ try:
     HAVE_TEXTARENA = True
 except ImportError:
     HAVE_TEXTARENA = False
-needs_textarena = pytest.mark.skipif(not HAVE_TEXTARENA, reason='needs the textarena package: pip install "palestra[textarena]"')
+needs_textarena = pytest.mark.skipif(
+    not HAVE_TEXTARENA, reason='needs the textarena package: pip install "palestra[textarena]"'
+)
 
 GAMES = ("TicTacToe-v0", "IteratedRockPaperScissors-v0", "KuhnPoker-v0")
 
@@ -43,6 +46,7 @@ def registered() -> Iterator[None]:
     registry = get_registry()
     added: list[tuple[str, str]] = []
     for kind, hook in (("environment", ta_env.register_environments), ("reward", ta_env.register_rewards)):
+
         def register(name: str, factory: Any, options: Any = None, description: str = "", kind: str = kind) -> None:
             if name not in registry.names(kind):
                 registry.add(Registration(kind, name, factory, options, description, "textarena", "palestra"))
@@ -88,8 +92,10 @@ def scripted(moves: dict[str, list[str]]) -> Any:
 
 # ---- without the package ---------------------------------------------------------------------------------------
 def test_importing_the_plugin_does_not_import_textarena() -> None:
-    code = ("import sys; import palestra.plugins.envs.textarena; from palestra.plugin_manager import get_registry; "
-            "get_registry(); print('textarena' in sys.modules)")
+    code = (
+        "import sys; import palestra.plugins.envs.textarena; from palestra.plugin_manager import get_registry; "
+        "get_registry(); print('textarena' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
 
@@ -102,12 +108,16 @@ def test_without_the_package_building_it_is_a_one_line_error_naming_the_extra(mo
     assert 'pip install "palestra[textarena]"' in msg and "\n" not in msg and msg.startswith("environment.name: ")
     with pytest.raises(MissingDependency) as missing:
         ta_env.import_textarena()
-    assert str(missing.value) == ("the textarena environment needs the Python package 'textarena', which is not installed; "
-                                  'install it with: pip install "palestra[textarena]"')
+    assert str(missing.value) == (
+        "the textarena environment needs the Python package 'textarena', which is not installed; "
+        'install it with: pip install "palestra[textarena]"'
+    )
 
 
 def test_options_are_checked_before_the_package_is_needed() -> None:
-    with pytest.raises(ConfigError, match=r"opponents\.1: unknown opponent 'smart'; use one of random, first, fixed:<action>"):
+    with pytest.raises(
+        ConfigError, match=r"opponents\.1: unknown opponent 'smart'; use one of random, first, fixed:<action>"
+    ):
         env(opponents={"1": "smart"})
     with pytest.raises(ConfigError, match=r"opponents\.x: keys are player ids"):
         env(opponents={"x": "random"})
@@ -136,7 +146,9 @@ def test_registered_and_protocol() -> None:
 
 @needs_textarena
 def test_bad_game_ids_and_players_are_one_line_errors() -> None:
-    with pytest.raises(ConfigError, match=r"game: unknown textarena game 'TicTacToe-v9'; did you mean 'TicTacToe-v0'") as e:
+    with pytest.raises(
+        ConfigError, match=r"game: unknown textarena game 'TicTacToe-v9'; did you mean 'TicTacToe-v0'"
+    ) as e:
         env(game="TicTacToe-v9")
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"opponents\.2: TicTacToe-v0 has players 0-1"):
@@ -145,7 +157,9 @@ def test_bad_game_ids_and_players_are_one_line_errors() -> None:
         env(game="TicTacToe-v0", opponents={"0": "random", "1": "first"})
     with pytest.raises(ConfigError, match=r"num_players: TicTacToe-v0 does not start with 3 players"):
         env(game="TicTacToe-v0", num_players=3)
-    with pytest.raises(ConfigError, match=r"game_options: IteratedRockPaperScissors-v0 could not start: TypeError: .*'rounds'"):
+    with pytest.raises(
+        ConfigError, match=r"game_options: IteratedRockPaperScissors-v0 could not start: TypeError: .*'rounds'"
+    ):
         env(game="IteratedRockPaperScissors-v0", game_options={"rounds": 3})
 
 
@@ -175,9 +189,13 @@ def test_random_and_fixed_policies_finish_games(game: str, policy: str) -> None:
 def test_rock_paper_scissors_against_first_and_fixed_opponents() -> None:
     first = env(game="IteratedRockPaperScissors-v0", opponents={"1": "first"}, game_options={"num_rounds": 3})
     ep = run_episodes(first, lambda obs: ["[paper]"] * len(obs), 1, seed=0)[0]
-    assert [m["action"] for t in ep.turns for m in t.info["opponent_moves"]] == ["[rock]"] * 3  # "first": the first listed move
+    assert [m["action"] for t in ep.turns for m in t.info["opponent_moves"]] == [
+        "[rock]"
+    ] * 3  # "first": the first listed move
     assert ep.metadata["outcome"]["agent_rewards"] == {"player_0": 1.0}
-    fixed = env(game="IteratedRockPaperScissors-v0", opponents={"0": "fixed:[scissors]"}, game_options={"num_rounds": 3})
+    fixed = env(
+        game="IteratedRockPaperScissors-v0", opponents={"0": "fixed:[scissors]"}, game_options={"num_rounds": 3}
+    )
     ep = run_episodes(fixed, lambda obs: ["[paper]"] * len(obs), 1, seed=0)[0]
     assert fixed.agent_ids == ("player_1",) and ep.metadata["outcome"]["rewards"] == {"0": 1.0, "1": -1.0}
     assert outcome_reward()(*reward_rows([ep])).scores.tolist() == [-1.0]
@@ -194,8 +212,10 @@ def test_agent_ids_and_rewards_map_to_players() -> None:
     assert out["rewards"] == {"0": -1.0, "1": 1.0} and out["agent_rewards"] == {"player_0": -1.0, "player_1": 1.0}
     assert "Player 1 has won" in out["reason"]
     # every agent's own last turn scores its own result, with the default and with custom values
-    for reward, want in ((outcome_reward(), {"player_0": -1.0, "player_1": 1.0}),
-                         (outcome_reward(win=2.0, draw=0.5, loss=-3.0), {"player_0": -3.0, "player_1": 2.0})):
+    for reward, want in (
+        (outcome_reward(), {"player_0": -1.0, "player_1": 1.0}),
+        (outcome_reward(win=2.0, draw=0.5, loss=-3.0), {"player_0": -3.0, "player_1": 2.0}),
+    ):
         for agent, value in want.items():
             scored = reward(*reward_rows([ep], agent))
             assert scored.scores.tolist() == [value]
@@ -233,7 +253,9 @@ def test_invalid_moves_follow_the_games_rules() -> None:
     e = env(game="TicTacToe-v0", opponents={"1": "first"}, prompt_template="{latest}")
     ep = run_episodes(e, lambda obs: ["[9]" if o.turn == 0 else e.legal_moves(o)[0] for o in obs], 1, seed=0)[0]
     assert [t.info["valid"] for t in ep.turns][:2] == [False, True] and ep.turns[0].info["opponent_moves"] == []
-    assert ep.turns[1].observation.prompt.startswith("[Player 0] [9]\n[GAME] Player 0 attempted an invalid move. Reason: 9.")
+    assert ep.turns[1].observation.prompt.startswith(
+        "[Player 0] [9]\n[GAME] Player 0 attempted an invalid move. Reason: 9."
+    )
     assert ep.metadata["outcome"]["finished"] and ep.metadata["outcome"]["invalid_move"] == {"0": False, "1": False}
 
     # a scripted opponent that plays an invalid move loses the same way
@@ -260,8 +282,15 @@ def test_seeded_games_are_deterministic_and_leave_the_callers_random_alone() -> 
     def play(seed: int, batch: int, group: int = 1) -> list[tuple[Any, ...]]:
         e = env(game="KuhnPoker-v0", opponents={"1": "random"})  # random deals and a random opponent
         eps = run_episodes(e, random_player(e, 0), batch, seed=seed, group_size=group)
-        return [(ep.turns[0].observation.prompt, ep.transcript(), ep.metadata["outcome"]["rewards"],
-                 [m["action"] for t in ep.turns for m in t.info["opponent_moves"]]) for ep in eps]
+        return [
+            (
+                ep.turns[0].observation.prompt,
+                ep.transcript(),
+                ep.metadata["outcome"]["rewards"],
+                [m["action"] for t in ep.turns for m in t.info["opponent_moves"]],
+            )
+            for ep in eps
+        ]
 
     random.seed(123)
     expected = random.random()
@@ -277,8 +306,13 @@ def test_seeded_games_are_deterministic_and_leave_the_callers_random_alone() -> 
 
 @needs_textarena
 def test_prompt_template_fields_and_turn_caps() -> None:
-    e = env(game="TicTacToe-v0", opponents={"1": "first"}, max_new_tokens=2, stop=["\n"],
-            prompt_template="{game} {agent} (player {player}) turn {turn}\n{board}\nmoves: {moves}\nlatest: {latest}")
+    e = env(
+        game="TicTacToe-v0",
+        opponents={"1": "first"},
+        max_new_tokens=2,
+        stop=["\n"],
+        prompt_template="{game} {agent} (player {player}) turn {turn}\n{board}\nmoves: {moves}\nlatest: {latest}",
+    )
     obs = e.reset(1, seed=0)[0]
     assert obs.prompt.startswith("TicTacToe-v0 player_0 (player 0) turn 0\nCurrent Board:")
     assert "moves: [0], [1], [2], [3], [4], [5], [6], [7], [8]\n" in obs.prompt

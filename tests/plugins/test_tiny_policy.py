@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from palestra.config import ConfigError, build_component
 from palestra.plugin_manager import get_registry
 from palestra.plugins.policies.char_tokenizer import UNK_TEXT, CharTokenizer
@@ -42,7 +43,12 @@ def test_tokenizer_vocabulary_and_round_trip():
     assert tok.vocab[:6] == ("<pad>", "<bos>", "<eos>", "<unk>", "<answer>", "</answer>")
     text = "12 + 7 = ?<answer>19</answer>"
     ids = tok.encode(text)
-    assert ids[-4:] == [tok.token_to_id("<answer>"), tok.token_to_id("1"), tok.token_to_id("9"), tok.token_to_id("</answer>")]
+    assert ids[-4:] == [
+        tok.token_to_id("<answer>"),
+        tok.token_to_id("1"),
+        tok.token_to_id("9"),
+        tok.token_to_id("</answer>"),
+    ]
     assert ids.count(4) == 1 and ids.count(5) == 1 and len(ids) == len("12 + 7 = ?") + 4
     assert tok.decode(ids) == text
     # pad/bos/eos are not text; <unk> shows as the replacement character.
@@ -126,7 +132,9 @@ def test_seed_reproduces_weights_and_state_dict_rebuilds_the_policy():
     rebuilt = TinyTransformerPolicy(**{**dataclasses.asdict(trained.options), "seed": 5})
     rebuilt.load_state_dict(trained.state_dict())
     ids, mask = left_padded(random_rows([6, 3], len(trained.tokenizer), seed=1))
-    assert torch.equal(trained.trunk(ids, mask, mask.long().cumsum(-1) - 1)[0], rebuilt.trunk(ids, mask, mask.long().cumsum(-1) - 1)[0])
+    assert torch.equal(
+        trained.trunk(ids, mask, mask.long().cumsum(-1) - 1)[0], rebuilt.trunk(ids, mask, mask.long().cumsum(-1) - 1)[0]
+    )
     assert rebuilt.tokenizer == trained.tokenizer
 
 
@@ -162,7 +170,9 @@ def test_kv_cache_decoding_matches_a_full_forward_with_left_padding():
         assert len(cache) == 2 and cache[0][0].shape == (len(prompts), 4, ids.shape[1] + t + 1, 32 // 4)
         torch.testing.assert_close(logits, expected[:, ids.shape[1] + t], rtol=0, atol=1e-5)
     # Prefilling part of the prompt and feeding several tokens at once agrees too.
-    _, cache = policy.trunk(full_ids[:, :4], full_mask[:, :4], (full_mask[:, :4].long().cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    _, cache = policy.trunk(
+        full_ids[:, :4], full_mask[:, :4], (full_mask[:, :4].long().cumsum(-1) - 1).clamp(min=0), use_cache=True
+    )
     pos = (full_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden2, _ = policy.trunk(full_ids[:, 4:], full_mask, pos[:, 4:], cache, use_cache=True)
     torch.testing.assert_close(policy.lm_head(hidden2), expected[:, 4:], rtol=0, atol=1e-5)
@@ -182,8 +192,10 @@ def test_a_left_padded_row_scores_like_the_row_alone():
     batch = policy.score(p_ids, p_mask, c_ids, c_mask)
     for i in range(3):
         alone = policy.score(
-            torch.tensor([prompts[i]]), torch.ones((1, len(prompts[i])), dtype=torch.bool),
-            torch.tensor([completions[i]]), torch.ones((1, len(completions[i])), dtype=torch.bool),
+            torch.tensor([prompts[i]]),
+            torch.ones((1, len(prompts[i])), dtype=torch.bool),
+            torch.tensor([completions[i]]),
+            torch.ones((1, len(completions[i])), dtype=torch.bool),
         )
         n = len(completions[i])
         torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], rtol=0, atol=1e-5)
@@ -229,8 +241,11 @@ def test_values_after_enable_value_head():
         head.weight.normal_(generator=torch.Generator().manual_seed(0))
         head.bias.fill_(0.5)
     out = policy.score(p_ids, p_mask, c_ids, c_mask, values=True)
-    hidden, _ = policy.trunk(torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
-                             (torch.cat([p_mask, c_mask], 1).long().cumsum(-1) - 1).clamp(min=0))
+    hidden, _ = policy.trunk(
+        torch.cat([p_ids, c_ids], 1),
+        torch.cat([p_mask, c_mask], 1),
+        (torch.cat([p_mask, c_mask], 1).long().cumsum(-1) - 1).clamp(min=0),
+    )
     expected = head(hidden[:, 4:7]).squeeze(-1) * c_mask
     torch.testing.assert_close(out.values, expected, rtol=0, atol=1e-6)
     out.values.sum().backward()

@@ -11,8 +11,22 @@ from dataclasses import dataclass, field
 from palestra import DEFAULT_AGENT, Message, Observation, StepResult
 
 DEFAULT_VOCABULARY = (
-    "apple", "river", "lantern", "mountain", "violin", "harbour", "pepper", "glacier",
-    "compass", "meadow", "thunder", "library", "orbit", "candle", "falcon", "desert",
+    "apple",
+    "river",
+    "lantern",
+    "mountain",
+    "violin",
+    "harbour",
+    "pepper",
+    "glacier",
+    "compass",
+    "meadow",
+    "thunder",
+    "library",
+    "orbit",
+    "candle",
+    "falcon",
+    "desert",
 )
 
 
@@ -74,5 +88,7 @@ class WordUsageEnvironment:
         return StepResult(
             observations=[None] * n,
             done=[True] * n,
-            info=[{DEFAULT_AGENT: {"sentences": text.count(".") + text.count("!") + text.count("?")}} for text in actions],
+            info=[
+                {DEFAULT_AGENT: {"sentences": text.count(".") + text.count("!") + text.count("?")}} for text in actions
+            ],
         )

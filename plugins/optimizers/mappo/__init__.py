@@ -15,15 +15,17 @@ differently, through the algorithm's hooks: its parameter groups (:meth:`MAPPO.o
 shared layers, the critic), per-agent clipping (:meth:`MAPPO.clip_gradients`), per-agent token means
 (:meth:`MAPPO.begin_update` sets the row weights, :meth:`MAPPO.micro_weights` counts every micro-batch as 1) and the
 shared-layer update window (:meth:`MAPPO.on_optimizers`, :meth:`MAPPO.before_optimizer_step`,
-:meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent running statistics (reward moments, value normaliser) are
-merged over ranks every step, so every rank normalises with the global batch's statistics.
+:meth:`MAPPO.after_optimizer_step`). Its critic is its own network, which it runs itself. Under torchrun the per-agent
+running statistics (reward moments, value normaliser) are merged over ranks every step, so every rank normalises with
+the global batch's statistics.
 
 The known multi-agent pitfalls, as features:
 
 * **per-agent reward normalisation** (``normalize_rewards``, default on): each agent's rewards are normalised by
   that agent's running statistics, through the segmented ``normalize_rewards`` kernel (segment = agent);
-* **per-agent value normalisation** (``value_norm``): the critic regresses ``(R - mean_a) / std_a``
-  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`) and its outputs are de-normalised per agent before GAE;
+* **per-agent value normalisation** (``value_norm``): the critic regresses ``(R - mean_a) / std_a``, and its
+  outputs are de-normalised per agent before GAE
+  (:class:`palestra.plugins.optimizers.mappo.per_agent.ValueNormalizer`);
 * **per-agent loss weighting**: each agent's loss is the mean over its own tokens, and the agents' losses are
   summed: a verbose agent (long replies) does not outweigh a terse one (a one-token label);
 * **per-agent gradient clipping** (always): every agent's own parameters, the shared parameters and the critic
@@ -56,14 +58,20 @@ class MAPPOOptions(AlgorithmOptions):
     gamma: float = option(1.0, ge=0, le=1)
     lam: float = option(0.95, ge=0, le=1)  # GAE lambda
     clip_eps: float = option(0.2, gt=0, lt=1)
-    clip_value: float | None = option(0.2, gt=0)  # value clipping around the rollout values (normalised units); None: off
+    clip_value: float | None = option(
+        0.2, gt=0
+    )  # value clipping around the rollout values (normalised units); None: off
     vf_coef: float = option(1.0, ge=0)  # weight of the critic's loss (the critic has its own parameters)
-    huber_delta: float | None = option(10.0, gt=0)  # Huber value loss on normalised targets (MAPPO); None: squared error
+    huber_delta: float | None = option(
+        10.0, gt=0
+    )  # Huber value loss on normalised targets (MAPPO); None: squared error
     normalize_rewards: bool = True  # per-agent running reward normalisation (normalize_rewards kernel, segment = agent)
     reward_clip: float | None = option(5.0, gt=0)  # normalised rewards clipped to +-reward_clip
     value_norm: bool = True  # per-agent value normalisation of the critic's targets
     normalize_advantages: bool = True  # whiten advantages within each agent
-    per_agent_optimizer: bool = True  # a separate AdamW per agent (+ one for the shared layers); else one for the policy
+    per_agent_optimizer: bool = (
+        True  # a separate AdamW per agent (+ one for the shared layers); else one for the policy
+    )
     critic_lr: float | None = option(None, gt=0)  # None: train.lr
     critic_d_model: int = option(64, ge=8)
     critic_layers: int = option(2, ge=1)
@@ -73,9 +81,16 @@ class MAPPOOptions(AlgorithmOptions):
 
     def __post_init__(self) -> None:
         if self.loss_agg != "token_mean":
-            raise OptionError("loss_agg", f"mappo averages each agent's loss over its own tokens; only 'token_mean' applies, got {self.loss_agg!r}")
+            raise OptionError(
+                "loss_agg",
+                "mappo averages each agent's loss over its own tokens; "
+                f"only 'token_mean' applies, got {self.loss_agg!r}",
+            )
         if self.critic_d_model % self.critic_heads or (self.critic_d_model // self.critic_heads) % 2:
-            raise OptionError("critic_heads", f"must divide critic_d_model={self.critic_d_model} into an even head size, got {self.critic_heads}")
+            raise OptionError(
+                "critic_heads",
+                f"must divide critic_d_model={self.critic_d_model} into an even head size, got {self.critic_heads}",
+            )
 
 
 class MAPPO(Algorithm):
@@ -122,8 +137,12 @@ class MAPPO(Algorithm):
             self.sharing = {"shared": [p for p in policy.parameters() if p.requires_grad]}
         device = self.device
         self.critic = StateCritic(
-            len(policy.tokenizer), d_model=o.critic_d_model, n_layers=o.critic_layers, n_heads=o.critic_heads,
-            d_ff=o.critic_d_ff, max_len=o.critic_max_len,
+            len(policy.tokenizer),
+            d_model=o.critic_d_model,
+            n_layers=o.critic_layers,
+            n_heads=o.critic_heads,
+            d_ff=o.critic_d_ff,
+            max_len=o.critic_max_len,
         ).to(device)
 
     def optimizer_groups(self, policy: Any) -> dict[str, ParamGroup]:
@@ -158,6 +177,7 @@ class MAPPO(Algorithm):
 
     def _register(self, agent_ids: list[str]) -> None:
         import torch
+
         from palestra.kernels import RunningMoments
 
         from .per_agent import ValueNormalizer
@@ -166,7 +186,10 @@ class MAPPO(Algorithm):
         if not new:
             return
         if self.reward_moments is not None:
-            raise ValueError(f"{self.name}: agent(s) {', '.join(new)} appeared after training started; the agents were {', '.join(self.agents)}")
+            raise ValueError(
+                f"{self.name}: agent(s) {', '.join(new)} appeared after "
+                f"training started; the agents were {', '.join(self.agents)}"
+            )
         self.agents.extend(new)
         device = self.device if self.device is not None else torch.device("cpu")
         self.reward_moments = RunningMoments(num_segments=len(self.agents), device=device)
@@ -194,7 +217,9 @@ class MAPPO(Algorithm):
         return encode_prefixes(self.tokenizer, states, room, batch.completion_ids.device)
 
     def critic_values(self, batch: Experience) -> torch.Tensor:
-        return self.critic(batch.extras["critic_ids"], batch.extras["critic_mask"], batch.completion_ids, batch.completion_mask)
+        return self.critic(
+            batch.extras["critic_ids"], batch.extras["critic_mask"], batch.completion_ids, batch.completion_mask
+        )
 
     # ---- advantages ---------------------------------------------------------------------------------------
     def advantages(self, batch: Experience) -> Experience:
@@ -224,7 +249,9 @@ class MAPPO(Algorithm):
         self.critic.eval()
         old_values = self.critic_values(batch)  # normalised units when value_norm
         vn = self.value_normalizer if o.value_norm else None
-        adv, returns = per_agent_gae(last_token_rewards(r, mask), old_values, mask, idx, o.gamma, o.lam, value_normalizer=vn)
+        adv, returns = per_agent_gae(
+            last_token_rewards(r, mask), old_values, mask, idx, o.gamma, o.lam, value_normalizer=vn
+        )
         raw_values = vn.denormalize(old_values, idx) if vn is not None else old_values
         self.explained_var = _explained_variance(raw_values, returns, mask, idx, self.agents)
         if vn is not None:
@@ -259,6 +286,7 @@ class MAPPO(Algorithm):
         :meth:`begin_update`); without it, a token mean over ``batch``. The actor's ratio is against
         ``batch.old_logprobs`` and its advantages carry rollout correction's weights (the learner's)."""
         import torch
+
         from palestra.rl import clipped_surrogate, value_loss
 
         o = self.options
@@ -277,12 +305,21 @@ class MAPPO(Algorithm):
         w = m * row_weight[:, None]
         total = ((per_token + o.vf_coef * vloss) * w).sum()
         if "agent_index" in batch.extras:
-            self._add_agent_stats(batch.extras["agent_index"], {
-                "tokens": m.sum(-1), "entropy": (scores.entropy.detach() * m).sum(-1),
-                "actor": (actor.detach() * m).sum(-1), "value": (vloss.detach() * m).sum(-1),
-            })
-        metrics |= {"policy/clip_frac": am["clip_frac"], "policy/approx_kl": am["approx_kl"],
-                   "policy/ratio_mean": am["ratio_mean"], "value/clip_frac": vm["value_clip_frac"]}
+            self._add_agent_stats(
+                batch.extras["agent_index"],
+                {
+                    "tokens": m.sum(-1),
+                    "entropy": (scores.entropy.detach() * m).sum(-1),
+                    "actor": (actor.detach() * m).sum(-1),
+                    "value": (vloss.detach() * m).sum(-1),
+                },
+            )
+        metrics |= {
+            "policy/clip_frac": am["clip_frac"],
+            "policy/approx_kl": am["approx_kl"],
+            "policy/ratio_mean": am["ratio_mean"],
+            "value/clip_frac": vm["value_clip_frac"],
+        }
         return total, metrics
 
     def _add_agent_stats(self, agent_of: torch.Tensor, stats: Mapping[str, torch.Tensor]) -> None:
@@ -303,7 +340,9 @@ class MAPPO(Algorithm):
         own = {a: self._stepped(a) for a in self.sharing if a != "shared"}
         norms = per_agent_clip_grad_norm(own, max_norm) if own else {}
         norms["critic"] = per_agent_clip_grad_norm({"critic": list(groups["critic"])}, max_norm)["critic"]
-        shared_norm = math.sqrt(sum(float(t.grad.detach().float().square().sum()) for t in self._stepped("shared") if t.grad is not None))
+        shared_norm = math.sqrt(
+            sum(float(t.grad.detach().float().square().sum()) for t in self._stepped("shared") if t.grad is not None)
+        )
         metrics = {"grad/norm/shared": shared_norm, **{f"grad/norm/{a}": v for a, v in norms.items()}}
         total = math.sqrt(sum(v * v for a, v in norms.items() if a != "critic") + shared_norm**2)
         return total, metrics
@@ -362,7 +401,10 @@ class MAPPO(Algorithm):
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         want = {"critic", "agents", "reward_moments", "value_normalizer", "shared_accum", "counters"}
         if set(state) != want:
-            raise KeyError(f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, unexpected keys {sorted(set(state) - want)}")
+            raise KeyError(
+                f"{self.name}.load_state_dict: missing keys {sorted(want - set(state))}, "
+                f"unexpected keys {sorted(set(state) - want)}"
+            )
         self.critic.load_state_dict(state["critic"])
         self.agents, self.reward_moments, self.value_normalizer = [], None, None
         if state["agents"]:
@@ -372,8 +414,10 @@ class MAPPO(Algorithm):
             if state["value_normalizer"] is not None:
                 self.value_normalizer.load_state_dict(state["value_normalizer"])
         if len(state["shared_accum"]) != len(self.shared_accum):
-            raise KeyError(f"{self.name}.load_state_dict: {len(state['shared_accum'])} accumulated shared gradients saved, "
-                           f"{len(self.shared_accum)} here (agents.update_frequency or the sharing differ)")
+            raise KeyError(
+                f"{self.name}.load_state_dict: {len(state['shared_accum'])} accumulated shared gradients saved, "
+                f"{len(self.shared_accum)} here (agents.update_frequency or the sharing differ)"
+            )
         for acc, saved in zip(self.shared_accum, state["shared_accum"]):
             _load_full(acc, saved)
         c = state["counters"]
@@ -397,8 +441,9 @@ def _load_full(target: Any, saved: Any) -> None:
     target.copy_(saved)
 
 
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor,
-                        agents: list[str]) -> dict[str, float]:
+def _explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor, agents: list[str]
+) -> dict[str, float]:
     """:func:`palestra.rl.explained_variance` for all rows (``"all"``) and per agent."""
     from palestra.rl import explained_variance
 
@@ -410,6 +455,10 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
 
 @hookimpl
 def register_optimizers(register: Any) -> None:
-    register("mappo", MAPPO, options=MAPPOOptions,
-             description="MAPPO: per-agent actors, centralised critic over the joint state (ippo: own observation), "
-                         "per-agent GAE, value and reward normalisation, clipping and optimisers")
+    register(
+        "mappo",
+        MAPPO,
+        options=MAPPOOptions,
+        description="MAPPO: per-agent actors, centralised critic over the joint state (ippo: own observation), "
+        "per-agent GAE, value and reward normalisation, clipping and optimisers",
+    )

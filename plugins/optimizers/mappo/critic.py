@@ -16,21 +16,31 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
+from palestra.models.policy import left_pad
 from palestra.plugins.policies._tiny_model import (
     Block,
     RMSNorm,
     attention_mask_4d,
     rope_table,
 )
-from palestra.models.policy import left_pad
-from torch import nn
 
 
 class StateCritic(nn.Module):
     """Values ``[B, T]`` for completion tokens given a left-padded prefix (see the module docstring)."""
 
-    def __init__(self, vocab: int, *, d_model: int = 64, n_layers: int = 2, n_heads: int = 4, d_ff: int = 128,
-                 max_len: int = 512, init_std: float = 0.02) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        d_ff: int = 128,
+        max_len: int = 512,
+        init_std: float = 0.02,
+    ) -> None:
         super().__init__()
         self.max_len, self.head_dim, self.rope_base = max_len, d_model // n_heads, 10000.0
         self.embed = nn.Embedding(vocab, d_model)
@@ -49,8 +59,13 @@ class StateCritic(nn.Module):
                     nn.init.normal_(p, 0.0, init_std)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        prefix_ids: torch.Tensor,
+        prefix_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+    ) -> torch.Tensor:
         p, t = prefix_ids.shape[1], completion_ids.shape[1]
         if p + t > self.max_len:
             raise ValueError(f"StateCritic: {p} prefix + {t} completion tokens exceed critic_max_len={self.max_len}")

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import torch
-from palestra.kernels import RunningMoments, gae
 
+from palestra.kernels import RunningMoments, gae
 from palestra.rl.checks import FLOAT_DTYPES as _FLOATS
 from palestra.rl.checks import INT_DTYPES as _INTS
 from palestra.rl.checks import as_mask as _mask
@@ -55,7 +56,9 @@ def _agent_ids(fn: str, agent_index, ref_name: str, ref: torch.Tensor, num_agent
         ids = agent_index.reshape((-1,) + (1,) * (ref.dim() - 1)).expand(ref.shape)
     else:
         want = f"[{ref.shape[0]}] or {_shape(ref)}" if ref.dim() >= 1 else _shape(ref)
-        raise ValueError(f"{fn}: agent_index has shape {_shape(agent_index)}, expected {want} (one id per row of {ref_name})")
+        raise ValueError(
+            f"{fn}: agent_index has shape {_shape(agent_index)}, expected {want} (one id per row of {ref_name})"
+        )
     ids = ids.detach().to(torch.int64)
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
@@ -70,7 +73,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
-def per_agent_mean(x: torch.Tensor, mask: torch.Tensor | None, agent_index: torch.Tensor, num_agents: int) -> torch.Tensor:
+def per_agent_mean(
+    x: torch.Tensor, mask: torch.Tensor | None, agent_index: torch.Tensor, num_agents: int
+) -> torch.Tensor:
     """Per-agent mean of ``x`` over valid positions: float32 ``[num_agents]``, detached (0 for an agent with no
     valid position). For per-agent metrics (entropy, reward, clip fraction) so that a stalled agent shows."""
     fn = "per_agent_mean"
@@ -130,7 +135,9 @@ class ValueNormalizer:
         std = torch.where(has, torch.sqrt(var + self.eps), torch.ones_like(var))
         return mean.to(torch.float32), std.to(torch.float32)
 
-    def update(self, returns: torch.Tensor, agent_index: torch.Tensor, mask: torch.Tensor | None = None) -> ValueNormalizer:
+    def update(
+        self, returns: torch.Tensor, agent_index: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> ValueNormalizer:
         """Fold value targets into the statistics of their agents.
 
         ``returns`` is ``[N]`` or ``[B, T]``; ``agent_index`` has its shape or ``[B]`` (one id per row);
@@ -141,7 +148,9 @@ class ValueNormalizer:
         ids = _agent_ids(fn, agent_index, "returns", returns, self.num_agents)
         m = _mask(fn, mask, "returns", returns)
         if returns.device != self.device:
-            raise ValueError(f"{fn}: returns {_shape(returns)} is on {returns.device} but the normalizer is on {self.device}")
+            raise ValueError(
+                f"{fn}: returns {_shape(returns)} is on {returns.device} but the normalizer is on {self.device}"
+            )
         x = returns.detach()[m].to(torch.float64)
         if x.numel():
             self.moments.update(x, ids[m])
@@ -235,17 +244,24 @@ def per_agent_gae(
     if agent_index is not None:
         ids = _agent_ids(fn, agent_index, "rewards", rewards, num_agents)
         if agent_index.dim() == 2 and not bool((ids == ids[:, :1]).all()):
-            raise ValueError(f"{fn}: agent_index {_shape(agent_index)} changes agent within a row; a row is one agent's trajectory")
+            raise ValueError(
+                f"{fn}: agent_index {_shape(agent_index)} changes agent within a row; a row is one agent's trajectory"
+            )
     elif value_normalizer is not None:
-        raise ValueError(f"{fn}: agent_index is required with value_normalizer (one id per row of rewards {_shape(rewards)})")
+        raise ValueError(
+            f"{fn}: agent_index is required with value_normalizer (one id per row of rewards {_shape(rewards)})"
+        )
     v = values.detach()
     boot = bootstrap_value
     if isinstance(boot, torch.Tensor):
         _tensor(fn, "bootstrap_value", boot, _FLOATS)
         if boot.shape != (B,):
-            raise ValueError(f"{fn}: bootstrap_value has shape {_shape(boot)}, expected [{B}] (one value per row of rewards)")
+            raise ValueError(
+                f"{fn}: bootstrap_value has shape {_shape(boot)}, expected [{B}] (one value per row of rewards)"
+            )
         boot = boot.detach()
     if value_normalizer is not None:
+        assert ids is not None  # agent_index is required with a value_normalizer: checked above
         v = value_normalizer.denormalize(v, ids)
         if boot is not None:
             b = boot if isinstance(boot, torch.Tensor) else torch.full((B,), float(boot), device=rewards.device)
@@ -287,11 +303,14 @@ def normalize_advantages_per_agent(
 
 
 # ---- gradients ----------------------------------------------------------------------------------------------
+AgentKey = TypeVar("AgentKey")  # whatever names a group (an agent id, "shared", "critic"); the norms use the same
+
+
 def per_agent_clip_grad_norm(
-    param_groups: Mapping[object, Iterable[torch.nn.Parameter]],
+    param_groups: Mapping[AgentKey, Iterable[torch.nn.Parameter]],
     max_norm: float,
     norm_type: float = 2.0,
-) -> dict[object, float]:
+) -> dict[AgentKey, float]:
     """Clip each agent's gradients to ``max_norm`` separately; returns each agent's pre-clip total norm.
 
     Why: with one global clip, the agent with the largest gradients sets the scale factor for everyone, so the
@@ -303,11 +322,13 @@ def per_agent_clip_grad_norm(
     """
     fn = "per_agent_clip_grad_norm"
     if not isinstance(param_groups, Mapping):
-        raise TypeError(f"{fn}: param_groups must be a dict agent -> list of parameters, got {type(param_groups).__name__}")
+        raise TypeError(
+            f"{fn}: param_groups must be a dict agent -> list of parameters, got {type(param_groups).__name__}"
+        )
     if not max_norm > 0:
         raise ValueError(f"{fn}: max_norm must be > 0, got {max_norm}")
-    owner: dict[int, object] = {}
-    norms: dict[object, float] = {}
+    owner: dict[int, AgentKey] = {}
+    norms: dict[AgentKey, float] = {}
     for agent, params in param_groups.items():
         params = list(params)
         for p in params:

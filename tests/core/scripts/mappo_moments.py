@@ -59,8 +59,17 @@ def build(config, context):
 
 
 out = Path(sys.argv[1])
-config = load_config(None, ["optimizer.name=mappo", "optimizer.options={critic_d_model: 16, critic_layers: 1, critic_heads: 2, critic_d_ff: 32}",
-                            "train.device=cpu", "distributed.backend=gloo", f"policy.options={TINY}", "kernels.backend=torch"])
+config = load_config(
+    None,
+    [
+        "optimizer.name=mappo",
+        "optimizer.options={critic_d_model: 16, critic_layers: 1, critic_heads: 2, critic_d_ff: 32}",
+        "train.device=cpu",
+        "distributed.backend=gloo",
+        f"policy.options={TINY}",
+        "kernels.backend=torch",
+    ],
+)
 dist = DistributedContext.from_config(config, "cpu")
 torch.manual_seed(0)
 policy = build_component("policy", config.policy, path="policy")
@@ -79,6 +88,7 @@ out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{dist.rank}.json").write_text(json.dumps(result))
 dist.close()
 # As `palestra train` does (palestra.cli.train.end_rank): a finished rank leaves with os._exit, because the
-# interpreter's teardown after a gloo process group now and then aborts ("terminate called without an active exception").
+# interpreter's teardown after a gloo process group now and then aborts ("terminate called without an active
+# exception").
 sys.stdout.flush()
 os._exit(0)
