@@ -153,6 +153,13 @@ def run_tool(args: Sequence[str]) -> str:
 
 # ---- 1. versions -------------------------------------------------------------------------------------------
 def check_versions() -> list[Check]:
+    """Python, torch (and CUDA), triton, ninja, the C++ compiler and nvcc: what the back ends need."""
+    checks, devices = _torch_checks()
+    return [*checks, _triton_check(devices), _ninja_check(), _compiler_check(), _nvcc_check(devices)]
+
+
+def _torch_checks() -> tuple[list[Check], list[str]]:
+    """Python, torch and the visible CUDA devices (their names, returned too)."""
     import torch
 
     v = "versions"
@@ -194,7 +201,11 @@ def check_versions() -> list[Check]:
         )
     else:
         checks.append(Check(v, "cuda", SKIPPED, "torch is a CPU build: no CUDA"))
+    return checks, devices
 
+
+def _triton_check(devices: list[str]) -> Check:
+    v = "versions"
     try:
         import triton
 
@@ -204,77 +215,68 @@ def check_versions() -> list[Check]:
             if interpret
             else ("compiled" if devices else "needs a CUDA device or TRITON_INTERPRET=1")
         )
-        checks.append(
-            Check(
-                v,
-                "triton",
-                OK,
-                f"{triton.__version__}; {mode}",
-                {"version": triton.__version__, "interpret": interpret},
-            )
+        return Check(
+            v, "triton", OK, f"{triton.__version__}; {mode}", {"version": triton.__version__, "interpret": interpret}
         )
     except Exception as e:  # noqa: BLE001
-        checks.append(
-            Check(v, "triton", SKIPPED, f"not importable ({one_line(e)}); the triton back end is unavailable")
-        )
+        return Check(v, "triton", SKIPPED, f"not importable ({one_line(e)}); the triton back end is unavailable")
 
+
+def _ninja_check() -> Check:
     from torch.utils.cpp_extension import verify_ninja_availability
 
     try:
         verify_ninja_availability()
-        checks.append(
-            Check(v, "ninja", OK, f"{first_line(run_tool(['ninja', '--version']))} ({shutil.which('ninja')})")
+        return Check(
+            "versions", "ninja", OK, f"{first_line(run_tool(['ninja', '--version']))} ({shutil.which('ninja')})"
         )
     except Exception as e:  # noqa: BLE001
-        checks.append(
-            Check(
-                v, "ninja", FAILED, f"not available ({one_line(e)}); the cpp/cuda back ends need it: pip install ninja"
-            )
+        return Check(
+            "versions",
+            "ninja",
+            FAILED,
+            f"not available ({one_line(e)}); the cpp/cuda back ends need it: pip install ninja",
         )
 
+
+def _compiler_check() -> Check:
+    v = "versions"
     cxx = os.environ.get("CXX", "c++")
     path = shutil.which(cxx)
     if path is None:
-        checks.append(
-            Check(
-                v, "compiler", FAILED, f"{cxx!r} not found on PATH; the cpp back end needs a C++17 compiler (set CXX)"
-            )
+        return Check(
+            v, "compiler", FAILED, f"{cxx!r} not found on PATH; the cpp back end needs a C++17 compiler (set CXX)"
         )
-    else:
-        try:
-            from palestra.kernels.build import cpu_simd_level
+    try:
+        from palestra.kernels.build import cpu_simd_level
 
-            checks.append(
-                Check(
-                    v,
-                    "compiler",
-                    OK,
-                    f"{first_line(run_tool([path, '--version']))} ({path}); "
-                    f"C++ kernels use the {cpu_simd_level()} loops here",
-                )
-            )
-        except Exception as e:  # noqa: BLE001
-            checks.append(Check(v, "compiler", FAILED, f"{path} --version failed: {one_line(e)}"))
+        return Check(
+            v,
+            "compiler",
+            OK,
+            f"{first_line(run_tool([path, '--version']))} ({path}); C++ kernels use the {cpu_simd_level()} loops here",
+        )
+    except Exception as e:  # noqa: BLE001
+        return Check(v, "compiler", FAILED, f"{path} --version failed: {one_line(e)}")
 
+
+def _nvcc_check(devices: list[str]) -> Check:
     from torch.utils.cpp_extension import CUDA_HOME
 
+    v = "versions"
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
     if nvcc and os.path.exists(nvcc):
         try:
             release = [line for line in run_tool([nvcc, "--version"]).splitlines() if "release" in line]
-            checks.append(Check(v, "nvcc", OK, f"{(release or ['?'])[-1].strip()} ({nvcc})"))
+            return Check(v, "nvcc", OK, f"{(release or ['?'])[-1].strip()} ({nvcc})")
         except Exception as e:  # noqa: BLE001
-            checks.append(Check(v, "nvcc", FAILED if devices else SKIPPED, f"{nvcc} --version failed: {one_line(e)}"))
-    else:
-        checks.append(
-            Check(
-                v,
-                "nvcc",
-                FAILED if devices else SKIPPED,
-                "not found (CUDA_HOME unset and no nvcc on PATH); the cuda back end needs it",
-            )
-        )
-    return checks
+            return Check(v, "nvcc", FAILED if devices else SKIPPED, f"{nvcc} --version failed: {one_line(e)}")
+    return Check(
+        v,
+        "nvcc",
+        FAILED if devices else SKIPPED,
+        "not found (CUDA_HOME unset and no nvcc on PATH); the cuda back end needs it",
+    )
 
 
 # ---- 2. kernels --------------------------------------------------------------------------------------------
@@ -732,7 +734,6 @@ class PreparedBatch:
 
 def check_training(config: Config, threshold: float) -> list[Check]:
     """Build the Trainer exactly as ``palestra train`` does and run one step, recording gradients and utilisation."""
-    import torch
 
     from palestra.engine.trainer import Trainer
 
@@ -779,7 +780,15 @@ def check_training(config: Config, threshold: float) -> list[Check]:
         )
     )
     checks.append(Check("training", "utilisation", OK, describe_utilisation(u), u))
-    groups = recorder.groups()
+    checks += gradient_checks(recorder.groups(), skipped, threshold, prepared.batch)
+    return checks
+
+
+def gradient_checks(groups: dict[str, Any], skipped: bool, threshold: float, batch: Any) -> list[Check]:
+    """One check per parameter group's gradient after the step, and one for the flow as a whole."""
+    import torch
+
+    checks: list[Check] = []
     if skipped:
         # A skipped step applies no gradient (a bad reward stops it before backward; a bad loss or norm zeroes the
         # gradients), so per-group "zero gradients" would be one misleading failure per layer: the step's failure
@@ -820,7 +829,7 @@ def check_training(config: Config, threshold: float) -> list[Check]:
             )
         )
     if groups and len(flat_zero) == len(groups):
-        checks.append(Check("training", "gradient flow", FAILED, zero_gradient_hint(prepared.batch, torch)))
+        checks.append(Check("training", "gradient flow", FAILED, zero_gradient_hint(batch, torch)))
     return checks
 
 
