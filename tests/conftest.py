@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import background_runs
 import pytest
 import torch
 
@@ -68,6 +69,16 @@ def raw_config() -> Callable[..., dict[str, Any]]:
 # A kernel test that builds or runs the C++/CUDA code, named so by its test id (cpp, cuda, native, sm90): marked
 # `native`, so `pytest -m "not native"` runs where no compiler is at hand. The two all-native modules mark themselves.
 _NATIVE = re.compile(r"cpp|cuda|native|sm90")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The minutes-long learning runs start now, on the core the rest of the suite leaves free (background_runs.py).
+    if not session.config.option.collectonly:
+        background_runs.start(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background_runs.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -20,18 +20,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+import background_runs
 import pytest
 
-import robustness
 from robustness import (  # bench/: on sys.path by pyproject's pytest pythonpath
-    BARE_ANSWER,
     CONFIGS,
     config_path,
     run_one,
@@ -41,25 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.usefixtures("o
 
 SEEDS = (0, 1, 2)
 HUNDRED_FACTS = "test_all_100_facts_are_learnt_on_the_tagged_task"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hundred_facts_run(request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str] | None]:
-    """The 100-facts run (~4 min on one thread) in its own process, started as this module starts: on two cores it
-    trains beside the answer-alone seeds instead of after them. Only when its test was selected; stopped if unread."""
-    if not any(item.name == HUNDRED_FACTS for item in request.session.items):
-        yield None
-        return
-    bench = str(Path(robustness.__file__).resolve().parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (bench, os.environ.get("PYTHONPATH")) if p)}
-    code = "import json; from robustness import run_one; print(json.dumps(run_one('hundred_facts', 0)['correctness']))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
 
 
 def constant_answer_accuracy(name: str) -> float:
@@ -81,18 +57,23 @@ def median_correctness(name: str, overrides: list[str]) -> tuple[float, list[flo
 def test_the_answer_alone_is_learnt_on_the_median_seed() -> None:
     # Measured 2026-12-03 (300 steps): held-out correctness 0.94, 0.89, see docs/learning.md for seed 2; the
     # constant answer scores 0.2. 64 held-out tasks: a constant answer scores 0.2 +- ~0.05, so 0.5 is far outside.
-    median, each = median_correctness("grpo", [*BARE_ANSWER, "train.steps=300"])
+    # The three seeds train in the background from the session's start (tests/background_runs.py), as
+    # median_correctness("grpo", [*BARE_ANSWER, "train.steps=300"]) would here.
+    run, _ = background_runs.result("test_the_answer_alone_is_learnt_on_the_median_seed")
+    assert run.returncode == 0, run.stderr[-3000:]
+    each = json.loads(run.stdout.strip().splitlines()[-1])
+    median = statistics.median(each)
     chance = constant_answer_accuracy("grpo")
     assert median >= 0.5 > 2 * chance, f"median held-out correctness {median:.3f} over seeds {SEEDS} (each: {each})"
 
 
-def test_all_100_facts_are_learnt_on_the_tagged_task(hundred_facts_run: subprocess.Popen[str]) -> None:
+def test_all_100_facts_are_learnt_on_the_tagged_task() -> None:
     # Measured 2026-12-03 (1200 steps, docs/learning.md): held-out correctness 0.95 / 0.91 / 0.95 / 0.89 / 0.92 on
     # seeds 0-4, every seed >= 0.8 by step 1100; the constant answer scores 0.1. One seed keeps CI's time down, and
     # 0.7 leaves room for another machine's rounding to take another trajectory.
-    out, err = hundred_facts_run.communicate(timeout=600)
-    assert hundred_facts_run.returncode == 0, err[-3000:]
-    correctness = json.loads(out.strip().splitlines()[-1])  # run_one("hundred_facts", 0)["correctness"]
+    run, _ = background_runs.result("test_all_100_facts_are_learnt_on_the_tagged_task")  # trained in the background
+    assert run.returncode == 0, run.stderr[-3000:]
+    correctness = json.loads(run.stdout.strip().splitlines()[-1])  # run_one("hundred_facts", 0)["correctness"]
     chance = constant_answer_accuracy("hundred_facts")
     assert correctness >= 0.7 > 4 * chance, f"held-out correctness {correctness:.3f} on seed 0"
 

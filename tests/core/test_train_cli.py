@@ -11,6 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import background_runs
 import plugin_installs
 import pytest
 import torch
@@ -269,7 +270,7 @@ def test_the_smollm2_lora_example_runs_on_a_tiny_gguf(tmp_path: Path, capsys: py
 # ---- the main job ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.learning
-def test_the_builtin_run_learns_its_curriculum(tmp_path: Path) -> None:
+def test_the_builtin_run_learns_its_curriculum() -> None:
     """`palestra train` with no config (~2 min): the format layer is learnt (held-out format 1.0 from 0), which
     unlocks the correctness layer, and the run earns correctness reward while training.
 
@@ -277,10 +278,9 @@ def test_the_builtin_run_learns_its_curriculum(tmp_path: Path) -> None:
     changes with the host's SIMD width, the thread count and the seed: held-out totals of 1.16 to 1.94 have been
     measured for the same config (README, "The second layer is fragile"). So this test asserts the curriculum, not
     the climb; the README reports the climb as measured figures."""
-    out = tmp_path / "runs"
-    result = plugin_installs.run_palestra(
-        ["train", f"run.output_dir={out}", "loggers=[{name: jsonl}]"], [], tmp_path, timeout=900
-    )
+    # It trains in the background from the session's start, on one thread (tests/background_runs.py).
+    result, scratch = background_runs.result("test_the_builtin_run_learns_its_curriculum")
+    out = scratch / "runs"
     assert result.returncode == 0, result.stderr
     table = {}
     for line in result.stdout.splitlines():
