@@ -3,8 +3,8 @@
 ``--resume RUN_DIR`` continues a run from its newest intact checkpoint with the config saved in it; only the keys
 in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts, the export) may be
 overridden, since anything else would make the continuation a different run. A new run refuses a directory that
-holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM save a checkpoint at the next step
-boundary and exit 130/143 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
+holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM/SIGHUP save a checkpoint at the next step
+boundary and exit 130/143/129 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
 writes. With ``train.export: true`` the trained policy is also written as a transformers folder when training ends
 (what ``palestra export`` writes; whether it can be written is checked before training starts).
 """
@@ -26,6 +26,7 @@ from palestra.engine.watchdog import Interrupted
 
 if TYPE_CHECKING:
     from palestra.engine.checkpoint import ResumePoint
+    from palestra.engine.run_lock import RunLock
     from palestra.engine.trainer import EvalResult, Trainer
     from palestra.scale.distributed import DistributedContext
 
@@ -140,16 +141,27 @@ def run(args: argparse.Namespace) -> int:
     if resume is not None and overwrite:
         raise ConfigError("--overwrite starts a run again from scratch; it cannot be combined with --resume")
     try:
-        trainer, point = _start(args, resume, overwrite)
+        trainer, point, lock = _start(args, resume, overwrite)
     except KeyboardInterrupt:
         print("palestra train: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
+    resumed_from = point.path if point is not None else None
+    point = None  # the loaded state is in the trainer now: let it go
+    try:
+        return _train_and_report(trainer, resumed_from, resume)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str | None) -> int:
+    """Train, then (rank 0) print the result, plot it and export it; the exit status."""
     config = trainer.config
     try:
         main = trainer.dist.is_main
         if main:
-            if point is not None:
-                print(f"resuming {resume} from {point.path} at step {trainer.step_index} of {config.train.steps}")
+            if resumed_from is not None:
+                print(f"resuming {resume} from {resumed_from} at step {trainer.step_index} of {config.train.steps}")
             for line in summary(config):
                 print(line)
             if trainer.dist.enabled:
@@ -157,10 +169,11 @@ def run(args: argparse.Namespace) -> int:
                     f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
                     f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank"
                 )
-        point = None  # the loaded state is in the trainer now: let it go
         try:
             result, code = trainer.train(), 0
-        except Interrupted as e:  # SIGINT/SIGTERM: a checkpoint was saved at a step boundary (or a second signal)
+        except (
+            Interrupted
+        ) as e:  # SIGINT/SIGTERM/SIGHUP: a checkpoint was saved at a step boundary (or a second signal)
             if main:
                 print(f"palestra train: {e.line()}", file=sys.stderr)
             if not e.at_once:
@@ -248,24 +261,55 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
     return describe_export(out, run=f"{run_dir} step {trainer.step_index}")
 
 
-def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tuple[Trainer, ResumePoint | None]:
+def _start(
+    args: argparse.Namespace, resume: str | None, overwrite: bool
+) -> tuple[Trainer, ResumePoint | None, RunLock | None]:
     """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
-    directory claimed: a new run refuses one that holds a run unless ``--overwrite``, which deletes it first."""
+    directory claimed: locked by this process (rank 0) for the whole run, then a new run refuses one that holds a
+    run unless ``--overwrite``, which deletes it first."""
     from palestra.engine import checkpoint as ckpt
+    from palestra.engine.run_lock import RunLock
 
+    # Under torchrun only rank 0 writes the run folder, so only rank 0 locks it (RANK is set by torchrun).
+    locks = os.environ.get("RANK", "0").strip() in ("", "0")
+    lock = None
     point = None
-    if resume is not None:
-        config, point = resume_config(resume, args.overrides)
-        run_dir = Path(resume)
-    else:
-        config = load_config(args.config, args.overrides)
-        run_dir = Path(config.run.output_dir) / config.run.name
-        ckpt.check_new_run_dir(run_dir, overwrite=overwrite)  # before a model is built: a quick answer
+    try:
+        if resume is not None:
+            # a live run is named before its checkpoint is read (it may be replaced meanwhile) or its log cut
+            if locks:
+                RunLock.check_free(ckpt.existing_run_dir(resume), key=None)
+            config, point = resume_config(resume, args.overrides)
+            run_dir = Path(resume)
+            lock = RunLock.acquire(run_dir, key=None) if locks else None
+        else:
+            config = load_config(args.config, args.overrides)
+            run_dir = Path(config.run.output_dir) / config.run.name
+            # A quick answer before a model is built, changing nothing: a live writer is named, a finished run
+            # refused; then the lock, and the check again under it (a run may have started and ended meanwhile).
+            if locks:  # rank 0 alone: another rank probing would find rank 0's own lock
+                RunLock.check_free(run_dir)
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+            lock = RunLock.acquire(run_dir) if locks else None
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+        trainer = _build(args, config, run_dir, point, overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release(tidy=True)
+        raise
+    return trainer, point, lock
+
+
+def _build(
+    args: argparse.Namespace, config: Config, run_dir: Path, point: ResumePoint | None, overwrite: bool
+) -> Trainer:
+    """The trainer, checked against this machine, with the checkpoint loaded; rank 0 prepares the run directory."""
     from palestra.config.preflight import preflight  # torch is only imported once the config is valid
+    from palestra.engine import checkpoint as ckpt
     from palestra.engine.trainer import Trainer
 
     # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
-    preflight(config, run_dir=run_dir if resume is not None else None)
+    preflight(config, run_dir=run_dir if point is not None else None)
 
     check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)
     # builds and checks every component: a bad one stops here, with one line
@@ -289,7 +333,7 @@ def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tup
     except BaseException:
         trainer.dist.close()
         raise
-    return trainer, point
+    return trainer
 
 
 def end_rank(dist: DistributedContext, code: int) -> int:

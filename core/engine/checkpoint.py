@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from palestra.engine.run_lock import LOCK_NAME, pid_alive
 from palestra.types import AdapterPolicy, FileLogger, Stateful
 
 if TYPE_CHECKING:
@@ -255,9 +256,19 @@ def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: in
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
     for _, old in list_step_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
-    for stale in folder.glob(".*.tmp"):  # left by a process killed mid-write (ours is already renamed)
-        stale.unlink(missing_ok=True)
+    sweep_stale_temporaries(folder)
     return path
+
+
+def sweep_stale_temporaries(folder: Path) -> None:
+    """Delete the ``.NAME.PID.tmp`` files in ``folder`` left by processes killed mid-write; a live process's
+    temporary (another writer's, or ours) is left alone."""
+    for stale in folder.glob(".*.tmp"):
+        pid = stale.name.rsplit(".", 2)[-2] if stale.name.count(".") >= 3 else ""
+        if pid.isdigit() and pid_alive(int(pid)):
+            continue
+        if stale.is_file() or stale.is_symlink():
+            stale.unlink(missing_ok=True)
 
 
 # ---- the checksum --------------------------------------------------------------------------------------
@@ -426,7 +437,7 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
     checkpoints are tried by step, newest first. A corrupt or unsafe one is skipped with a :class:`CheckpointWarning`
     naming it; another run's checkpoints are never taken. One-line errors when there is nothing to resume.
     """
-    run_dir = _resume_dir(run_dir)
+    run_dir = existing_run_dir(run_dir)
     paths = _candidate_paths(run_dir)
     if not paths:
         raise FileNotFoundError(
@@ -467,7 +478,7 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
     raise CheckpointError(f"--resume: {run_dir} holds no intact checkpoint{whose}: {reasons}")
 
 
-def _resume_dir(run_dir: str | Path) -> Path:
+def existing_run_dir(run_dir: str | Path) -> Path:
     """``run_dir`` if it is a directory; one line otherwise (a checkpoint file is answered with its run directory)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
@@ -602,6 +613,8 @@ def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
     if why:
         raise RunDirError(f"--overwrite: refusing to delete {run_dir}: {why}; choose a run.name of its own")
     for entry in root.iterdir():
+        if entry.name == LOCK_NAME:
+            continue  # held by this run: deleting it would let a second writer lock a new file beside ours
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:

@@ -1,0 +1,230 @@
+"""The run folder's rules (docs/reliability.md, "Run folder rules and answers"): one writer, nothing written outside
+it, every exit path saved and said in one line.
+
+The writer cases run real ``python -m palestra train`` processes side by side (the lock is a kernel ``flock``, so
+only real processes can test it); the signal case sends a real SIGHUP; the temporary-file sweep is tested against
+a real live process and a real dead one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from palestra import cli
+from palestra.engine import checkpoint as ckpt
+from palestra.engine.run_lock import LOCK_NAME, RunLock, RunLocked
+
+ERROR = "palestra train: error: "
+
+
+def write_config(folder: Path, raw: dict[str, Any]) -> Path:
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
+    }
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "palestra", "train", *args],
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def palestra(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    proc = start(args, cwd)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def wait_for(proc: subprocess.Popen[str], path: Path, lines: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if path.exists() and path.read_text().count("\n") >= lines:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the run ended (or stalled) before {path} had {lines} line(s): {proc.poll()}")
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+# ---- one writer per run ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_second_writer_of_a_live_run_is_refused_naming_the_process_and_a_kill_leaves_no_stale_lock(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    write_config(tmp_path, raw_config(steps=5000, save_every=5))  # long enough to outlive the three refusals
+    run_dir = tmp_path / "runs" / "r"
+    live = start(["--config", "config.yaml"], tmp_path)
+    try:
+        wait_for(live, run_dir / "checkpoints" / "latest")
+        for args in (
+            ["--config", "config.yaml"],  # a second start
+            ["--resume", "runs/r"],  # a resume of the live run
+            ["--config", "config.yaml", "--overwrite"],  # an overwrite under it
+        ):
+            result = palestra(args, tmp_path)
+            assert result.returncode == 2, result.stderr[-3000:]
+            line = one_line(result)
+            assert line.startswith(f"{ERROR}runs/r is in use by process {live.pid} (a palestra train writing this run)")
+            assert live.poll() is None, "the live run died under a refused second writer"
+        steps = logged_steps(run_dir)
+        assert steps == list(range(len(steps))), "the live run's log was cut or written by another process"
+    finally:
+        live.kill()  # SIGKILL: the kernel drops the lock with the process
+        live.communicate(timeout=60)
+    assert (run_dir / LOCK_NAME).exists()  # the file stays; the lock does not
+    again = palestra(["--config", "config.yaml", "--overwrite", "train.steps=2"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert logged_steps(run_dir) == [0, 1, 2, 2]
+
+
+def test_the_lock_names_its_holder_and_dies_with_it(tmp_path: Path) -> None:
+    # A real second process holds the lock; this process is refused while it lives and gets it once it is killed.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from palestra.engine.run_lock import RunLock; "
+         "RunLock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(tmp_path / "r")],
+        stdout=subprocess.PIPE, text=True, env=clean_env(),
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        with pytest.raises(RunLocked, match=f"is in use by process {holder.pid} .*choose another run.name$"):
+            RunLock.acquire(tmp_path / "r")
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    RunLock.acquire(tmp_path / "r").release()
+
+
+def test_a_lock_file_planted_as_a_link_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(RunLocked, match=r"r: cannot lock the run folder \(it is a link\)$"):
+        RunLock.acquire(tmp_path / "r")
+    assert victim.read_text() == "keep me\n"
+
+
+def test_a_start_that_fails_before_writing_leaves_no_folder(tmp_path: Path) -> None:
+    lock = RunLock.acquire(tmp_path / "runs" / "new")
+    lock.release(tidy=True)
+    assert not (tmp_path / "runs" / "new").exists()
+
+
+def test_the_temporary_file_sweep_spares_a_live_process_and_clears_a_dead_ones(tmp_path: Path) -> None:
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    try:
+        live_tmp = tmp_path / f".step-000004.pt.{live.pid}.tmp"
+        dead_tmp = tmp_path / f".step-000002.pt.{dead.pid}.tmp"
+        for path in (live_tmp, dead_tmp):
+            path.write_bytes(b"partial")
+        ckpt.sweep_stale_temporaries(tmp_path)
+        assert live_tmp.exists() and not dead_tmp.exists()
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+
+
+# ---- run.name is one path component -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("../escaped", "holds a path separator or NUL"),
+        ("/tmp/absname", "holds a path separator or NUL"),
+        ("a/b", "holds a path separator or NUL"),
+        ("..", "names the output folder or its parent"),
+        (".", "names the output folder or its parent"),
+        ("x" * 300, "is longer than a file name may be (255 bytes)"),
+    ],
+)
+def test_a_run_name_that_is_not_one_folder_name_is_one_line_and_writes_nothing(
+    name: str,
+    why: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    raw_config: Callable[..., dict[str, Any]],
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    write_config(work, raw_config())
+    monkeypatch.chdir(work)
+    code = cli.main(["train", "--config", "config.yaml", f"run.name={name}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"{ERROR}run.name: {why}, got {name[:80]!r}; a run name is one folder name inside run.output_dir"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.yaml", "work"]
+    assert not Path("/tmp/absname").exists()
+
+
+# ---- every exit saves and says one line --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sighup_saves_at_a_step_boundary_and_exits_129_with_one_line(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    write_config(tmp_path, raw_config(steps=400, save_every=0))
+    run_dir = tmp_path / "runs" / "r"
+    proc = start(["--config", "config.yaml"], tmp_path)
+    wait_for(proc, run_dir / "log.jsonl", 3)  # training, the handlers in place
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 129, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    saved = int(lines[0].split("saved step ")[1].split(";")[0])
+    assert (
+        lines[0] == f"palestra train: stopped by SIGHUP: saved step {saved}; resume with palestra train --resume runs/r"
+    )
+    assert ckpt.load_checkpoint(run_dir / "checkpoints" / ckpt.step_name(saved))["step"] == saved
+    assert 0 < saved < 400
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_logs_no_step_again(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+    write_config(tmp_path, raw_config(steps=4))
+    run_dir = tmp_path / "runs" / "r"
+    first = palestra(["--config", "config.yaml"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    finished = (run_dir / "log.jsonl").read_text()
+    assert logged_steps(run_dir) == [0, 1, 2, 3, 4, 4]  # step 4's metrics, then the held-out evaluation at 4
+    for _ in range(2):
+        again = palestra(["--resume", "runs/r"], tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resuming runs/r from runs/r/checkpoint.pt at step 4 of 4" in again.stdout
+    assert (run_dir / "log.jsonl").read_text() == finished
