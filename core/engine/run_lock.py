@@ -40,15 +40,15 @@ def pid_alive(pid: int) -> bool:
 class RunLock:
     """The held lock on one run folder; :meth:`acquire` takes it or raises :class:`RunLocked`."""
 
-    def __init__(self, run_dir: Path, fd: int, *, made_dir: bool) -> None:
-        self.run_dir, self._fd, self._made_dir = run_dir, fd, made_dir
+    def __init__(self, run_dir: Path, fd: int, *, made: list[Path]) -> None:
+        self.run_dir, self._fd, self._made = run_dir, fd, made
 
     @classmethod
     def acquire(cls, run_dir: str | Path, *, key: str | None = "run.name") -> RunLock:
         """Create ``run_dir`` if needed and lock it; ``key`` is the config key a refusal names as the way out
         (None for a resume, whose only way is to wait)."""
         run_dir = Path(run_dir)
-        made_dir = not run_dir.exists()
+        made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the folders mkdir will make
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             # O_NOFOLLOW: a link planted as the lock file must not make us create or truncate a file elsewhere
@@ -66,7 +66,7 @@ class RunLock:
             raise RunLocked(_in_use(run_dir, holder, key)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return cls(run_dir, fd, made_dir=made_dir)
+        return cls(run_dir, fd, made=made)
 
     @staticmethod
     def check_free(run_dir: str | Path, *, key: str | None = "run.name") -> None:
@@ -85,14 +85,16 @@ class RunLock:
 
     def release(self, *, tidy: bool = False) -> None:
         """Let the lock go (the process ending does the same). ``tidy``: a start that failed before writing
-        anything removes the folder it made, so that it leaves nothing behind."""
+        anything removes the folders it made (the run folder, and output_dir when it was made too), so that it
+        leaves nothing behind."""
         if self._fd < 0:
             return
-        if tidy and self._made_dir:
+        if tidy and self._made:
             try:
                 if [p.name for p in self.run_dir.iterdir()] == [LOCK_NAME]:
                     (self.run_dir / LOCK_NAME).unlink()
-                    self.run_dir.rmdir()
+                    for folder in self._made:  # innermost first; rmdir refuses one that is no longer empty
+                        folder.rmdir()
             except OSError:
                 pass  # someone else is using the folder now: leave it to them
         os.close(self._fd)

@@ -142,7 +142,7 @@ def test_a_lock_file_planted_as_a_link_is_not_followed(tmp_path: Path) -> None:
 def test_a_start_that_fails_before_writing_leaves_no_folder(tmp_path: Path) -> None:
     lock = RunLock.acquire(tmp_path / "runs" / "new")
     lock.release(tidy=True)
-    assert not (tmp_path / "runs" / "new").exists()
+    assert list(tmp_path.iterdir()) == []  # runs/ too: this start made it
 
 
 def test_the_temporary_file_sweep_spares_a_live_process_and_clears_a_dead_ones(tmp_path: Path) -> None:
@@ -228,3 +228,77 @@ def test_resuming_a_finished_run_logs_no_step_again(tmp_path: Path, raw_config: 
         assert again.returncode == 0, again.stderr[-3000:]
         assert "resuming runs/r from runs/r/checkpoint.pt at step 4 of 4" in again.stdout
     assert (run_dir / "log.jsonl").read_text() == finished
+
+
+# ---- inputs that blow up ------------------------------------------------------------------------------------------
+def config_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code = cli.main(["config", "show", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err[:5]
+    return err[0]
+
+
+def test_an_override_nested_5000_deep_is_one_line_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    line = config_error(capsys, "environment.options.x=" + "[" * 5000)
+    assert line == (
+        f"palestra config: error: override 'environment.options.x={'[' * 78}... (5,022 characters)': "
+        "cannot parse the value: nested deeper than 100 levels"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where"), [("run:\n  name: " + "[" * 20000, "2:107"), ("a: " + "{a: " * 3000, "1:397")]
+)
+def test_a_yaml_file_nested_thousands_deep_is_one_line_naming_the_file(
+    text: str, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text(text + "\n")
+    assert (
+        config_error(capsys, str(path))
+        == f"palestra config: error: {path}:{where}: invalid YAML: nested deeper than 100 levels"
+    )
+
+
+def billion_laughs(levels: int) -> str:
+    """A YAML alias bomb in an option value: each level an anchor holding ten aliases of the level below."""
+    lines = [
+        "environment:",
+        "  name: arithmetic",
+        "  options:",
+        "    prompt:",
+        "      - &l0 [" + ", ".join(["lol"] * 10) + "]",
+    ]
+    lines += [f"      - &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join([*lines, f"    difficulty: *l{levels - 1}", ""])
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(billion_laughs(9))  # 10**9 values once expanded: 93 s and 6.3 GB before the bound
+    started = time.monotonic()
+    line = config_error(capsys, str(path))
+    assert time.monotonic() - started < 5
+    assert line == (
+        f"palestra config: error: {path}:1:1: invalid YAML: its aliases expand it to 2,345,679,020 values "
+        "(at most 100,000 more than the text writes out are allowed)"
+    )
+
+
+def test_a_few_aliases_still_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text("run: {name: &n aliased, output_dir: *n}\n")
+    assert cli.main(["config", "show", str(path)]) == 0
+    assert "output_dir: aliased" in capsys.readouterr().out
+
+
+def test_a_huge_value_in_an_error_is_shown_in_80_characters_without_being_expanded() -> None:
+    from palestra.config.validation import _show
+
+    bomb: list[Any] = ["lol"] * 10
+    for _ in range(8):
+        bomb = [bomb] * 10  # shared, as YAML aliases build it: 10**9 strings once expanded
+    started = time.monotonic()
+    shown = _show(bomb)
+    assert time.monotonic() - started < 1
+    assert len(shown) == 80 and shown.startswith("[[[[[") and shown.endswith("...")
