@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         return _train_and_report(trainer, resumed_from, resume)
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(tidy=True)  # a run that failed and left nothing takes its folder with it
 
 
 def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str | None) -> int:
@@ -171,9 +171,16 @@ def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str |
                 )
         try:
             result, code = trainer.train(), 0
-        except (
-            Interrupted
-        ) as e:  # SIGINT/SIGTERM/SIGHUP: a checkpoint was saved at a step boundary (or a second signal)
+        except Exception:
+            # A new run that fails before its first checkpoint leaves no run: nothing to resume, nothing to protect
+            if main and resumed_from is None and trainer.saved_step is None:
+                from palestra.engine import checkpoint as ckpt
+                from palestra.types import FileLogger
+
+                logs = [x.path for x in trainer.loggers if isinstance(x, FileLogger) and isinstance(x.path, Path)]
+                ckpt.clear_unsaved_run(trainer.run_dir, logs)
+            raise
+        except Interrupted as e:  # SIGINT/SIGTERM/SIGHUP: a checkpoint saved at a step boundary (or a second signal)
             if main:
                 print(f"palestra train: {e.line()}", file=sys.stderr)
             if not e.at_once:
@@ -328,6 +335,8 @@ def _build(
         if trainer.dist.is_main:
             if overwrite:
                 ckpt.clear_run_dir(run_dir, keep=Path(args.config) if args.config else None)
+            elif point is None:  # what an earlier start that saved no checkpoint left (check_new_run_dir let it)
+                ckpt.clear_unsaved_run(run_dir)
             if point is None or ckpt.read_run_id(run_dir) is None:
                 ckpt.write_run_file(run_dir, trainer.run_id, config.run.name)
     except BaseException:

@@ -38,6 +38,7 @@ pointer out of the run directory and never takes another run's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib
@@ -51,7 +52,7 @@ import sys
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -577,10 +578,18 @@ def run_markers(run_dir: str | Path) -> list[str]:
     return [name for name in RUN_MARKERS if (run_dir / name).exists()] if run_dir.is_dir() else []
 
 
+def holds_checkpoint(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint (final or step): without one, a run there saved nothing to resume."""
+    return (Path(run_dir) / FINAL_NAME).is_file() or bool(list_step_checkpoints(run_dir))
+
+
 def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name") -> None:
-    """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out)."""
+    """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out).
+
+    A run that saved no checkpoint (it failed at step 0, or was killed first) is no run to protect: a new run may
+    start over it (:func:`clear_unsaved_run`)."""
     found = run_markers(run_dir)
-    if found and not overwrite:
+    if found and not overwrite and holds_checkpoint(run_dir):
         raise RunDirError(
             f"{run_dir} already holds a run ({', '.join(found)}); continue it with --resume {run_dir}, "
             f"start another with a new {name_key}=..., or replace it with --overwrite"
@@ -619,6 +628,18 @@ def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def clear_unsaved_run(run_dir: str | Path, log_files: Sequence[Path] = ()) -> None:
+    """Remove what a run that saved no checkpoint left in ``run_dir``: ``run.json``, ``metrics.jsonl``, the files
+    ``log_files`` (its loggers') and an empty ``checkpoints/``; only regular files inside the folder, never a link."""
+    run_dir = Path(run_dir)
+    root = run_dir.resolve()
+    for path in [run_dir / RUN_FILE, run_dir / "metrics.jsonl", *log_files]:
+        if path.is_file() and not path.is_symlink() and path.resolve().parent == root:
+            path.unlink()
+    with contextlib.suppress(OSError):
+        (run_dir / CHECKPOINT_DIR).rmdir()  # only when empty
 
 
 # ---- random number generators ------------------------------------------------------------------------

@@ -34,30 +34,32 @@ def write_config(folder: Path, raw: dict[str, Any]) -> Path:
     return path
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(site: Path | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
     }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site) if site else "")
     return env
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+def start(args: list[str], cwd: Path, site: Path | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "palestra", "train", *args],
         cwd=cwd,
-        env=clean_env(),
+        env=clean_env(site),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def palestra(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    proc = start(args, cwd)
+def palestra(
+    args: list[str], cwd: Path, timeout: float = 180, site: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = start(args, cwd, site)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -302,3 +304,63 @@ def test_a_huge_value_in_an_error_is_shown_in_80_characters_without_being_expand
     shown = _show(bomb)
     assert time.monotonic() - started < 1
     assert len(shown) == 80 and shown.startswith("[[[[[") and shown.endswith("...")
+
+
+# ---- a run that fails before its first checkpoint is no run ------------------------------------------------------
+FAILING_PLUGIN = """
+from dataclasses import dataclass
+
+from palestra import hookimpl
+from palestra.plugins.envs.arithmetic import ArithmeticEnv, ArithmeticOptions
+
+
+@dataclass
+class OutOfTasksOptions(ArithmeticOptions):
+    pass
+
+
+class OutOfTasks(ArithmeticEnv):
+    def reset(self, batch_size, *, seed=None, group_size=1):
+        raise ValueError("the task server is down")
+
+
+@hookimpl
+def register_environments(register):
+    register("out_of_tasks", OutOfTasks, options=OutOfTasksOptions, description="fails on its first reset")
+"""
+
+
+@pytest.fixture(scope="module")
+def failing_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("failing-plugin")
+    (site / "palestra_out_of_tasks.py").write_text(FAILING_PLUGIN)
+    info = site / "palestra_out_of_tasks-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palestra-out-of-tasks\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[palestra]\nout_of_tasks = palestra_out_of_tasks\n")
+    return site
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_at_step_0_leaves_no_run_and_the_rerun_starts(
+    tmp_path: Path, failing_site: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    raw = raw_config(steps=2)
+    raw["loggers"].append({"name": "jsonl"})  # metrics.jsonl too, as the default config writes
+    failing = {**raw, "environment": {**raw["environment"], "name": "out_of_tasks"}}
+    write_config(tmp_path, failing)
+    failed = palestra(["--config", "config.yaml"], tmp_path, site=failing_site)
+    assert failed.returncode == 2
+    assert "the task server is down" in one_line(failed)
+    assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
+
+    # A start killed before its first checkpoint leaves run.json and an empty log: still no run to protect.
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"run_id": "killed", "name": "r"}\n')
+    (run_dir / "metrics.jsonl").write_text("")
+    write_config(tmp_path, raw)
+    rerun = palestra(["--config", "config.yaml"], tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert logged_steps(run_dir) == [0, 1, 2, 2]
+    assert json.loads((run_dir / "run.json").read_text())["run_id"] != "killed"
