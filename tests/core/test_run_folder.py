@@ -364,3 +364,37 @@ def test_a_run_that_fails_at_step_0_leaves_no_run_and_the_rerun_starts(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert logged_steps(run_dir) == [0, 1, 2, 2]
     assert json.loads((run_dir / "run.json").read_text())["run_id"] != "killed"
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_holds_the_lock(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+    write_config(tmp_path, raw_config(steps=5000, save_every=5))  # outlives the refused resume below
+    env = clean_env()
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "palestra", "train", "--config", "config.yaml"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    run_dir = tmp_path / "runs" / "r"
+    try:
+        wait_for(job, run_dir / "checkpoints" / "latest")  # both ranks past start-up: neither locked out the other
+        result = palestra(["--resume", "runs/r"], tmp_path)
+        assert result.returncode == 2, result.stderr[-3000:]
+        holder = int(one_line(result).split("in use by process ")[1].split(" ")[0])
+        environ = Path(f"/proc/{holder}/environ").read_bytes().split(b"\0")
+        assert b"RANK=0" in environ and b"WORLD_SIZE=2" in environ  # a torchrun worker, rank 0
+    finally:
+        kill_tree(job.pid)
+        job.communicate(timeout=60)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s children (torchrun's ranks run in sessions of their own), then ``pid``."""
+    children = [
+        int(child) for task in Path(f"/proc/{pid}/task").glob("*") for child in (task / "children").read_text().split()
+    ]
+    for child in children:
+        os.kill(child, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
