@@ -583,13 +583,24 @@ def holds_checkpoint(run_dir: str | Path) -> bool:
     return (Path(run_dir) / FINAL_NAME).is_file() or bool(list_step_checkpoints(run_dir))
 
 
+def is_unsaved_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds what a palestra run wrote before its first checkpoint (its ``run.json``) and no
+    checkpoint: a folder with a ``metrics.jsonl`` and no ``run.json`` may be anyone's, and stays protected."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("run_id"), str) and not holds_checkpoint(run_dir)
+
+
 def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name") -> None:
     """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out).
 
     A run that saved no checkpoint (it failed at step 0, or was killed first) is no run to protect: a new run may
     start over it (:func:`clear_unsaved_run`)."""
     found = run_markers(run_dir)
-    if found and not overwrite and holds_checkpoint(run_dir):
+    if found and not overwrite and not is_unsaved_run(run_dir):
         raise RunDirError(
             f"{run_dir} already holds a run ({', '.join(found)}); continue it with --resume {run_dir}, "
             f"start another with a new {name_key}=..., or replace it with --overwrite"

@@ -398,3 +398,15 @@ def kill_tree(pid: int) -> None:
     for child in children:
         os.kill(child, signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_folder_with_a_metrics_file_but_no_run_record_stays_protected(tmp_path: Path) -> None:
+    # anyone's metrics.jsonl: only a run.json of palestra's, with no checkpoint, marks a run that saved nothing
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ckpt.RunDirError, match=r"already holds a run \(metrics\.jsonl\)"):
+        ckpt.check_new_run_dir(tmp_path, overwrite=False)
+    (tmp_path / "run.json").write_text('{"run_id": "a1", "name": "r"}\n')
+    ckpt.check_new_run_dir(tmp_path, overwrite=False)  # palestra's run, no checkpoint: nothing to protect
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ckpt.RunDirError, match="already holds a run"):
+        ckpt.check_new_run_dir(tmp_path, overwrite=False)
