@@ -172,8 +172,9 @@ def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str |
         try:
             result, code = trainer.train(), 0
         except Exception:
-            # A new run that fails before its first checkpoint leaves no run: nothing to resume, nothing to protect
-            if main and resumed_from is None and trainer.saved_step is None:
+            # A new run that fails at step 0 leaves no run: nothing to resume, nothing to protect, nothing to read
+            # in its logs but the error (one that trained steps keeps them for diagnosis; a re-run may take it over)
+            if main and resumed_from is None and trainer.saved_step is None and trainer.step_index == 0:
                 from palestra.engine import checkpoint as ckpt
                 from palestra.types import FileLogger
 
