@@ -275,6 +275,7 @@ def _start(
     """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
     directory claimed: locked by this process (rank 0) for the whole run, then a new run refuses one that holds a
     run unless ``--overwrite``, which deletes it first."""
+    from palestra.config.preflight import check_output_dir, check_writable_folder
     from palestra.engine import checkpoint as ckpt
     from palestra.engine.run_lock import RunLock
 
@@ -289,12 +290,14 @@ def _start(
                 RunLock.check_free(ckpt.existing_run_dir(resume), key=None)
             config, point = resume_config(resume, args.overrides)
             run_dir = Path(resume)
+            check_writable_folder(run_dir, f"--resume {str(run_dir)!r}")  # its own line, before the lock file
             lock = RunLock.acquire(run_dir, key=None) if locks else None
         else:
             config = load_config(args.config, args.overrides)
             run_dir = Path(config.run.output_dir) / config.run.name
             # A quick answer before a model is built, changing nothing: a live writer is named, a finished run
             # refused; then the lock, and the check again under it (a run may have started and ended meanwhile).
+            check_output_dir(config.run.output_dir, config.run.name)  # its own line, before the lock's mkdir
             if locks:  # rank 0 alone: another rank probing would find rank 0's own lock
                 RunLock.check_free(run_dir)
             ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
