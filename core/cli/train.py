@@ -3,8 +3,8 @@
 ``--resume RUN_DIR`` continues a run from its newest intact checkpoint with the config saved in it; only the keys
 in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts, the export) may be
 overridden, since anything else would make the continuation a different run. A new run refuses a directory that
-holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM save a checkpoint at the next step
-boundary and exit 130/143 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
+holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM/SIGHUP save a checkpoint at the next step
+boundary and exit 130/143/129 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
 writes. With ``train.export: true`` the trained policy is also written as a transformers folder when training ends
 (what ``palestra export`` writes; whether it can be written is checked before training starts).
 """
@@ -26,6 +26,7 @@ from palestra.engine.watchdog import Interrupted
 
 if TYPE_CHECKING:
     from palestra.engine.checkpoint import ResumePoint
+    from palestra.engine.run_lock import RunLock
     from palestra.engine.trainer import EvalResult, Trainer
     from palestra.scale.distributed import DistributedContext
 
@@ -140,16 +141,27 @@ def run(args: argparse.Namespace) -> int:
     if resume is not None and overwrite:
         raise ConfigError("--overwrite starts a run again from scratch; it cannot be combined with --resume")
     try:
-        trainer, point = _start(args, resume, overwrite)
+        trainer, point, lock = _start(args, resume, overwrite)
     except KeyboardInterrupt:
         print("palestra train: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
+    resumed_from = point.path if point is not None else None
+    point = None  # the loaded state is in the trainer now: let it go
+    try:
+        return _train_and_report(trainer, resumed_from, resume)
+    finally:
+        if lock is not None:
+            lock.release(tidy=True)  # a run that failed and left nothing takes its folder with it
+
+
+def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str | None) -> int:
+    """Train, then (rank 0) print the result, plot it and export it; the exit status."""
     config = trainer.config
     try:
         main = trainer.dist.is_main
         if main:
-            if point is not None:
-                print(f"resuming {resume} from {point.path} at step {trainer.step_index} of {config.train.steps}")
+            if resumed_from is not None:
+                print(f"resuming {resume} from {resumed_from} at step {trainer.step_index} of {config.train.steps}")
             for line in summary(config):
                 print(line)
             if trainer.dist.enabled:
@@ -157,10 +169,19 @@ def run(args: argparse.Namespace) -> int:
                     f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "
                     f"{config.distributed.strategy}, {trainer.local_batch_size} tasks per rank"
                 )
-        point = None  # the loaded state is in the trainer now: let it go
         try:
             result, code = trainer.train(), 0
-        except Interrupted as e:  # SIGINT/SIGTERM: a checkpoint was saved at a step boundary (or a second signal)
+        except Exception:
+            # A new run that fails at step 0 leaves no run: nothing to resume, nothing to protect, nothing to read
+            # in its logs but the error (one that trained steps keeps them for diagnosis; a re-run may take it over)
+            if main and resumed_from is None and trainer.saved_step is None and trainer.step_index == 0:
+                from palestra.engine import checkpoint as ckpt
+                from palestra.types import FileLogger
+
+                logs = [x.path for x in trainer.loggers if isinstance(x, FileLogger) and isinstance(x.path, Path)]
+                ckpt.clear_unsaved_run(trainer.run_dir, logs)
+            raise
+        except Interrupted as e:  # SIGINT/SIGTERM/SIGHUP: a checkpoint saved at a step boundary (or a second signal)
             if main:
                 print(f"palestra train: {e.line()}", file=sys.stderr)
             if not e.at_once:
@@ -248,24 +269,58 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
     return describe_export(out, run=f"{run_dir} step {trainer.step_index}")
 
 
-def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tuple[Trainer, ResumePoint | None]:
+def _start(
+    args: argparse.Namespace, resume: str | None, overwrite: bool
+) -> tuple[Trainer, ResumePoint | None, RunLock | None]:
     """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
-    directory claimed: a new run refuses one that holds a run unless ``--overwrite``, which deletes it first."""
+    directory claimed: locked by this process (rank 0) for the whole run, then a new run refuses one that holds a
+    run unless ``--overwrite``, which deletes it first."""
+    from palestra.config.preflight import check_output_dir, check_writable_folder
     from palestra.engine import checkpoint as ckpt
+    from palestra.engine.run_lock import RunLock
 
+    # Under torchrun only rank 0 writes the run folder, so only rank 0 locks it (RANK is set by torchrun).
+    locks = os.environ.get("RANK", "0").strip() in ("", "0")
+    lock = None
     point = None
-    if resume is not None:
-        config, point = resume_config(resume, args.overrides)
-        run_dir = Path(resume)
-    else:
-        config = load_config(args.config, args.overrides)
-        run_dir = Path(config.run.output_dir) / config.run.name
-        ckpt.check_new_run_dir(run_dir, overwrite=overwrite)  # before a model is built: a quick answer
+    try:
+        if resume is not None:
+            # a live run is named before its checkpoint is read (it may be replaced meanwhile) or its log cut
+            if locks:
+                RunLock.check_free(ckpt.existing_run_dir(resume), key=None)
+            config, point = resume_config(resume, args.overrides)
+            run_dir = Path(resume)
+            check_writable_folder(run_dir, f"--resume {str(run_dir)!r}")  # its own line, before the lock file
+            lock = RunLock.acquire(run_dir, key=None) if locks else None
+        else:
+            config = load_config(args.config, args.overrides)
+            run_dir = Path(config.run.output_dir) / config.run.name
+            # A quick answer before a model is built, changing nothing: a live writer is named, a finished run
+            # refused; then the lock, and the check again under it (a run may have started and ended meanwhile).
+            check_output_dir(config.run.output_dir, config.run.name)  # its own line, before the lock's mkdir
+            if locks:  # rank 0 alone: another rank probing would find rank 0's own lock
+                RunLock.check_free(run_dir)
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+            lock = RunLock.acquire(run_dir) if locks else None
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+        trainer = _build(args, config, run_dir, point, overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release(tidy=True)
+        raise
+    return trainer, point, lock
+
+
+def _build(
+    args: argparse.Namespace, config: Config, run_dir: Path, point: ResumePoint | None, overwrite: bool
+) -> Trainer:
+    """The trainer, checked against this machine, with the checkpoint loaded; rank 0 prepares the run directory."""
     from palestra.config.preflight import preflight  # torch is only imported once the config is valid
+    from palestra.engine import checkpoint as ckpt
     from palestra.engine.trainer import Trainer
 
     # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
-    preflight(config, run_dir=run_dir if resume is not None else None)
+    preflight(config, run_dir=run_dir if point is not None else None)
 
     check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)
     # builds and checks every component: a bad one stops here, with one line
@@ -284,12 +339,14 @@ def _start(args: argparse.Namespace, resume: str | None, overwrite: bool) -> tup
         if trainer.dist.is_main:
             if overwrite:
                 ckpt.clear_run_dir(run_dir, keep=Path(args.config) if args.config else None)
+            elif point is None:  # what an earlier start that saved no checkpoint left (check_new_run_dir let it)
+                ckpt.clear_unsaved_run(run_dir)
             if point is None or ckpt.read_run_id(run_dir) is None:
                 ckpt.write_run_file(run_dir, trainer.run_id, config.run.name)
     except BaseException:
         trainer.dist.close()
         raise
-    return trainer, point
+    return trainer
 
 
 def end_rank(dist: DistributedContext, code: int) -> int:

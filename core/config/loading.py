@@ -123,17 +123,89 @@ class DuplicateKeyError(yaml.YAMLError):
         return _format_path(self.keys)
 
 
+# No config nests anywhere near this deep; PyYAML composes and constructs recursively, so a file of 20,000 nested
+# `[` would otherwise end in a RecursionError thousands of lines long.
+MAX_YAML_DEPTH = 100
+# What aliases may add to a document, in values: a few `&a [*b, *b, ...]` levels (an "alias bomb") expand
+# to billions of values, which take minutes and gigabytes to copy, validate or print.
+MAX_ALIAS_EXPANSION = 100_000
+
+
+class YAMLTooBig(yaml.MarkedYAMLError):
+    """A document nested deeper than :data:`MAX_YAML_DEPTH` or expanding past :data:`MAX_ALIAS_EXPANSION`."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing a document nested deeper than :data:`MAX_YAML_DEPTH` while it is composed."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YAMLTooBig(
+                    problem=f"nested deeper than {MAX_YAML_DEPTH} levels", problem_mark=self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` (plain data only, no arbitrary objects) that raises :class:`DuplicateKeyError`."""
-    loader = yaml.SafeLoader(text)
+    """``yaml.safe_load`` (plain data only, no arbitrary objects) that raises :class:`DuplicateKeyError`, and
+    :class:`YAMLTooBig` for a document nested too deep or whose aliases expand too far."""
+    loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()  # composed, not yet constructed: keys still have their lines
         if node is None:
             return None
         _check_unique_keys(node, [], set())
+        _check_alias_expansion(node)
         return loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def _check_alias_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases add more than :data:`MAX_ALIAS_EXPANSION` values, or nest it deeper than
+    :data:`MAX_YAML_DEPTH` (an alias inside an alias inside ...), both counted without expanding anything: each
+    node's expanded size and depth once, without recursion (a recursive alias counts as one value)."""
+    stats: dict[int, tuple[int, int]] = {}  # id(node) -> (values, levels) once expanded
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = _children(node)
+        if children_done:
+            stats[id(node)] = (
+                1 + sum(stats[id(c)][0] for c in children),
+                1 + max((stats[id(c)][1] for c in children), default=0),
+            )
+        elif id(node) not in stats:
+            stats[id(node)] = (1, 1)  # while its children are counted
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in stats)
+    values, levels = stats[id(root)]
+    if levels > MAX_YAML_DEPTH:
+        problem = f"its aliases nest it deeper than {MAX_YAML_DEPTH} levels"
+    elif values - len(stats) > MAX_ALIAS_EXPANSION:
+        problem = (
+            f"its aliases expand it to {values:,} values (at most {MAX_ALIAS_EXPANSION:,} more than the text "
+            "writes out are allowed)"
+        )
+    else:
+        return
+    raise YAMLTooBig(problem=problem, problem_mark=root.start_mark)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
 
 
 def _check_unique_keys(node: yaml.Node, path: list[str | int], seen: set[int]) -> None:
@@ -187,7 +259,8 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     except DuplicateKeyError as e:
         raise ConfigError(f"override {text!r}: {_format_path([*keys, *e.keys])}: duplicate key") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: cannot parse the value: {getattr(e, 'problem', None) or e}") from None
+        shown = text if len(text) <= 120 else f"{text[:100]}... ({len(text):,} characters)"
+        raise ConfigError(f"override {shown!r}: cannot parse the value: {getattr(e, 'problem', None) or e}") from None
     value = parsed if isinstance(parsed, (list, dict)) else _Override(value_text.strip(), parsed)
     return keys, value
 

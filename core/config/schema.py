@@ -95,6 +95,29 @@ class RunConfig:
     seed: int = option(0, ge=0, le=2**63 - 1)
     output_dir: str = "runs"  # checkpoints and logs go to <output_dir>/<name>
 
+    def __post_init__(self) -> None:
+        if why := _not_one_component(self.name):
+            raise OptionError(
+                "name", f"{why}, got {self.name[:80]!r}; a run name is one folder name inside run.output_dir"
+            )
+
+
+# The longest file name ext4, xfs, btrfs and tmpfs take (NAME_MAX), in bytes of the name's encoding.
+NAME_MAX_BYTES = 255
+
+
+def _not_one_component(name: str) -> str | None:
+    """Why ``name`` is not a single folder name (None when it is): the run folder must stay inside output_dir."""
+    if not name.strip():
+        return "is empty"
+    if name in (".", ".."):
+        return "names the output folder or its parent"
+    if "/" in name or "\\" in name or "\0" in name:
+        return "holds a path separator or NUL"
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+        return f"is longer than a file name may be ({NAME_MAX_BYTES} bytes)"
+    return None
+
 
 @dataclass
 class DistributedConfig:

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -309,8 +310,14 @@ def _kind_of(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    """``value`` in at most 80 characters; bounded while it is written, not after (a huge value never becomes text)."""
+    text = _SHOWN.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 4, 100, 100, 100
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 12
 
 
 # ---- plain data --------------------------------------------------------------------------------------

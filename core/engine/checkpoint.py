@@ -38,6 +38,7 @@ pointer out of the run directory and never takes another run's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib
@@ -51,13 +52,14 @@ import sys
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from palestra.engine.run_lock import LOCK_NAME, pid_alive
 from palestra.types import AdapterPolicy, FileLogger, Stateful
 
 if TYPE_CHECKING:
@@ -255,9 +257,19 @@ def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: in
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
     for _, old in list_step_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
-    for stale in folder.glob(".*.tmp"):  # left by a process killed mid-write (ours is already renamed)
-        stale.unlink(missing_ok=True)
+    sweep_stale_temporaries(folder)
     return path
+
+
+def sweep_stale_temporaries(folder: Path) -> None:
+    """Delete the ``.NAME.PID.tmp`` files in ``folder`` left by processes killed mid-write; a live process's
+    temporary (another writer's, or ours) is left alone."""
+    for stale in folder.glob(".*.tmp"):
+        pid = stale.name.rsplit(".", 2)[-2] if stale.name.count(".") >= 3 else ""
+        if pid.isdigit() and pid_alive(int(pid)):
+            continue
+        if stale.is_file() or stale.is_symlink():
+            stale.unlink(missing_ok=True)
 
 
 # ---- the checksum --------------------------------------------------------------------------------------
@@ -426,7 +438,7 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
     checkpoints are tried by step, newest first. A corrupt or unsafe one is skipped with a :class:`CheckpointWarning`
     naming it; another run's checkpoints are never taken. One-line errors when there is nothing to resume.
     """
-    run_dir = _resume_dir(run_dir)
+    run_dir = existing_run_dir(run_dir)
     paths = _candidate_paths(run_dir)
     if not paths:
         raise FileNotFoundError(
@@ -467,7 +479,7 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
     raise CheckpointError(f"--resume: {run_dir} holds no intact checkpoint{whose}: {reasons}")
 
 
-def _resume_dir(run_dir: str | Path) -> Path:
+def existing_run_dir(run_dir: str | Path) -> Path:
     """``run_dir`` if it is a directory; one line otherwise (a checkpoint file is answered with its run directory)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
@@ -566,10 +578,29 @@ def run_markers(run_dir: str | Path) -> list[str]:
     return [name for name in RUN_MARKERS if (run_dir / name).exists()] if run_dir.is_dir() else []
 
 
+def holds_checkpoint(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a checkpoint (final or step): without one, a run there saved nothing to resume."""
+    return (Path(run_dir) / FINAL_NAME).is_file() or bool(list_step_checkpoints(run_dir))
+
+
+def is_unsaved_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds what a palestra run wrote before its first checkpoint (its ``run.json``) and no
+    checkpoint: a folder with a ``metrics.jsonl`` and no ``run.json`` may be anyone's, and stays protected."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("run_id"), str) and not holds_checkpoint(run_dir)
+
+
 def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name") -> None:
-    """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out)."""
+    """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out).
+
+    A run that saved no checkpoint (it failed at step 0, or was killed first) is no run to protect: a new run may
+    start over it (:func:`clear_unsaved_run`)."""
     found = run_markers(run_dir)
-    if found and not overwrite:
+    if found and not overwrite and not is_unsaved_run(run_dir):
         raise RunDirError(
             f"{run_dir} already holds a run ({', '.join(found)}); continue it with --resume {run_dir}, "
             f"start another with a new {name_key}=..., or replace it with --overwrite"
@@ -602,10 +633,24 @@ def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
     if why:
         raise RunDirError(f"--overwrite: refusing to delete {run_dir}: {why}; choose a run.name of its own")
     for entry in root.iterdir():
+        if entry.name == LOCK_NAME:
+            continue  # held by this run: deleting it would let a second writer lock a new file beside ours
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def clear_unsaved_run(run_dir: str | Path, log_files: Sequence[Path] = ()) -> None:
+    """Remove what a run that saved no checkpoint left in ``run_dir``: ``run.json``, ``metrics.jsonl``, the files
+    ``log_files`` (its loggers') and an empty ``checkpoints/``; only regular files inside the folder, never a link."""
+    run_dir = Path(run_dir)
+    root = run_dir.resolve()
+    for path in [run_dir / RUN_FILE, run_dir / "metrics.jsonl", *log_files]:
+        if path.is_file() and not path.is_symlink() and path.resolve().parent == root:
+            path.unlink()
+    with contextlib.suppress(OSError):
+        (run_dir / CHECKPOINT_DIR).rmdir()  # only when empty
 
 
 # ---- random number generators ------------------------------------------------------------------------

@@ -148,6 +148,9 @@ class Trainer:
         self.reward_ema: float | None = None
         self.bad_steps = 0  # consecutive skipped steps
         self.before: EvalResult | None = None  # the held-out reward before training (restored on resume)
+        # Loaded from the final checkpoint of a run already at train.steps: its final evaluation is in the log
+        # (the checkpoint recorded the log's size after it), so resuming it must not log that step again.
+        self.finished_at_load = False
         self._log_sizes: dict[str, int] = {}  # logged file sizes at the loaded checkpoint
 
     def checked(self, env: Any) -> CheckedEnvironment:
@@ -254,7 +257,7 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
-        """Train to ``train.steps``. SIGINT/SIGTERM end it at the next step boundary, after a checkpoint, with
+        """Train to ``train.steps``. SIGINT/SIGTERM/SIGHUP end it at the next step boundary, after a checkpoint, with
         :class:`Interrupted` (see :meth:`_stop_if_signalled`)."""
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -304,12 +307,13 @@ class Trainer:
             if t.save_every and self.step_index % t.save_every == 0 and self.step_index < t.steps:
                 self.save_step()
         after = self.evaluate()
-        self._log(after.metrics(), self.step_index)
+        if not self.finished_at_load:
+            self._log(after.metrics(), self.step_index)
         self.save()
         return after
 
     def _stop_if_signalled(self) -> None:
-        """At a step boundary: if a rank got SIGINT/SIGTERM, save this step and raise :class:`Interrupted`.
+        """At a step boundary: if a rank got SIGINT/SIGTERM/SIGHUP, save this step and raise :class:`Interrupted`.
 
         Every rank takes part (one all-reduce of a flag per step), so all stop at the same step; the signal
         reported (and so the exit status) is rank 0's when it got one.
@@ -376,6 +380,7 @@ class Trainer:
         """Restore a state already loaded with :func:`palestra.engine.checkpoint.load_checkpoint` from ``source``."""
         restored = ckpt.restore_state(self.components, self.learner, state, source=source)
         self.step_index = self.saved_step = restored.step
+        self.finished_at_load = Path(source).name == ckpt.FINAL_NAME and restored.step >= self.config.train.steps
         if restored.run_id is not None:
             self.run_id = restored.run_id  # the resumed run is the same run: its new checkpoints carry its id
         self.reward_ema, self.bad_steps = restored.reward_ema, restored.bad_steps

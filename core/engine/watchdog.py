@@ -18,9 +18,9 @@ Python cannot kill a thread, so the stuck call keeps running in the background; 
 error, and if the call never returns the process still exits normally (the worker is a daemon) or, while a
 watchdog phase is open, the watchdog ends it.
 
-:class:`StopSignals` is the polite end: SIGINT (Ctrl-C) and SIGTERM (a scheduler, a spot pre-emption) become a
-request that the trainer honours at the next step boundary, by saving a checkpoint and raising :class:`Interrupted`
-(exit status 128 + the signal: 130, 143).
+:class:`StopSignals` is the polite end: SIGINT (Ctrl-C), SIGTERM (a scheduler, a spot pre-emption) and SIGHUP (a
+closed terminal, a dropped ssh session) become a request that the trainer honours at the next step boundary, by
+saving a checkpoint and raising :class:`Interrupted` (exit status 128 + the signal: 130, 143, 129).
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str) -
 
 # ---- stopping on a signal ----------------------------------------------------------------------------------
 class Interrupted(BaseException):
-    """The run stopped on SIGINT or SIGTERM; the process should exit with :attr:`exit_code` (128 + the signal).
+    """The run stopped on SIGINT, SIGTERM or SIGHUP; the process should exit with :attr:`exit_code` (128 + the
+    signal).
 
     A BaseException, like KeyboardInterrupt, so that no ``except Exception`` in a component (a reward wrapper that
     reports a plugin's errors) turns it into something else. :meth:`line` is what the command prints.
@@ -227,7 +228,8 @@ class Interrupted(BaseException):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM as a request to stop at the next step boundary; a context manager that installs the handlers.
+    """SIGINT, SIGTERM and SIGHUP as a request to stop at the next step boundary; a context manager that installs
+    the handlers.
 
     The first signal only sets :attr:`received` (a handler may run anywhere in the main thread, in the middle of a
     step or a checkpoint write, so it does nothing else); the trainer checks it between steps, saves and raises
@@ -236,7 +238,8 @@ class StopSignals:
     process was started ignoring (SIG_IGN: a background job, nohup) stays ignored.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP too: a closed terminal or a dropped ssh session is a request to stop, not a reason to lose the steps
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.received: int | None = None

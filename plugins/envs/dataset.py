@@ -139,6 +139,11 @@ def read_rows(path_text: str, fmt: str, data_split: str, key: str) -> tuple[list
         raise ConfigError(
             f"{WHERE}.{key}: {path_text!r} does not exist (a local file or folder; nothing is downloaded)"
         )
+    if not path.is_dir() and not path.is_file():  # reading a device or a FIFO would never end (or never start)
+        raise ConfigError(
+            f"{WHERE}.{key}: {path_text!r} is not a regular file (a device, a FIFO or a socket); "
+            "name a .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder"
+        )
     fmt = detect_format(path, fmt, key)
     if fmt != "disk" and path.is_dir():
         raise ConfigError(f"{WHERE}.{key}: {path_text!r} is a folder, but format is {fmt}")

@@ -84,10 +84,9 @@ class ReasoningGymOptions:
         for name, weight in self.tasks.items():
             if not weight > 0:
                 raise OptionError(f"tasks.{name}", f"weights must be > 0, got {weight!r}")
-        names = self.task_names
+        # whether each task_options name is one of the tasks is checked when the data set is made, after the tasks
+        # themselves are known to exist: a misspelt task is the mistake to name, not the options left without it
         for name, config in self.task_options.items():
-            if name not in names:
-                raise OptionError(f"task_options.{name}", f"{name!r} is not one of the tasks ({', '.join(names)})")
             for key in _SET_BY_ENVIRONMENT:
                 if key in config:
                     raise OptionError(
@@ -121,6 +120,11 @@ def make_dataset(rg: Any, o: ReasoningGymOptions, *, seed: int, size: int) -> An
             )
             key = f"tasks.{name}" if o.tasks else "task"
             raise ConfigError(f"{WHERE}.{key}: unknown reasoning_gym task {name!r}{hint}")
+    for name in o.task_options:
+        if name not in o.task_names:
+            raise ConfigError(
+                f"{WHERE}.task_options.{name}: {name!r} is not one of the tasks ({', '.join(o.task_names)})"
+            )
     if not o.tasks:
         name = o.task_names[0]
         return _create(rg, name, dict(o.task_options.get(name, {})), f"task_options.{name}", seed=seed, size=size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -287,3 +288,17 @@ def test_the_example_data_file_is_what_its_script_writes() -> None:
     for name, made in (("sums.jsonl", script["rows"]), ("sums_chat.jsonl", script["chat_rows"])):
         written = [json.loads(line) for line in (REPO / "examples" / "data" / name).read_text().splitlines()]
         assert written == made(), name
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_a_path_that_is_not_a_regular_file_is_refused_instead_of_read_forever(kind: str, tmp_path: Path) -> None:
+    # /dev/zero never ends and a FIFO with no writer never starts: both used to hang with no message (issue 23)
+    if kind == "device":
+        path = "/dev/zero"
+    else:
+        path = str(tmp_path / "rows.jsonl")
+        os.mkfifo(path)
+    assert error(path, format="jsonl") == (
+        f"environment.options.path: {path!r} is not a regular file (a device, a FIFO or a socket); "
+        "name a .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder"
+    )

@@ -277,9 +277,13 @@ def test_bad_options_are_one_line_each() -> None:
         error("environment.options.tasks={chain_sum: 0}")
         == "environment.options.tasks.chain_sum: weights must be > 0, got 0.0"
     )
-    assert error("environment.options.task_options={chain_sum: {max_terms: 2}}") == (
+    assert error("environment.options.task_options={chain_sum: {max_terms: 2}}", build=True) == (
         "environment.options.task_options.chain_sum: 'chain_sum' is not one of the tasks (basic_arithmetic)"
     )
+    # a misspelt task is named, not the task_options it leaves without a task (issue 23)
+    assert error(
+        "environment.options.task=no_such_task", "environment.options.task_options={basic_arithmetic: {}}", build=True
+    ).startswith("environment.options.task: unknown reasoning_gym task 'no_such_task'; ")
     assert error("environment.options.task_options={basic_arithmetic: {seed: 3}}").startswith(
         "environment.options.task_options.basic_arithmetic.seed: is set by the environment"
     )
