@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
+from train_processes import clean_env, error_line, palestra, start, write_config
 
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import check_reset, check_step
@@ -39,55 +39,6 @@ from palestra.engine.watchdog import Interrupted, StopSignals
 from palestra.types import Observation, StepResult
 
 MARKER = "code-ran"  # the file a malicious checkpoint tries to create
-
-
-def write_config(folder: Path, raw: dict[str, Any]) -> Path:
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def clean_env(site: Path | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
-    }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site) if site else "")
-    return env
-
-
-def _default_sigint() -> None:
-    # A background job's SIGINT is ignored (and Palestra leaves an ignored signal ignored): give the run a live one.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def start(args: list[str], cwd: Path, site: Path | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "palestra", "train", *args],
-        cwd=cwd,
-        env=clean_env(site),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_default_sigint,
-    )
-
-
-def palestra(
-    args: list[str], cwd: Path, site: Path | None = None, timeout: float = 180
-) -> subprocess.CompletedProcess[str]:
-    proc = start(args, cwd, site)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def error_line(result: subprocess.CompletedProcess[str]) -> str:
-    """The one line a failed command printed: stderr must be exactly that line, no traceback."""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
 
 
 def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -441,7 +392,7 @@ def test_sigterm_saves_at_a_step_boundary_and_the_resumed_run_is_bitwise_the_sam
 
 
 @pytest.mark.slow
-def test_sigint_saves_and_exits_130_with_one_line(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
+def test_sigint_saves_and_exits_130_with_error_line(tmp_path: Path, raw_config: Callable[..., dict[str, Any]]) -> None:
     write_config(tmp_path, raw_config(steps=SIGNAL_STEPS, save_every=0))
     proc = start(["--config", "config.yaml"], tmp_path)
     run_dir = tmp_path / "runs" / "r"
@@ -696,7 +647,7 @@ def test_the_protocol_rules_as_plain_functions() -> None:
 
 # ---- 6. --resume given a file, a shorter run, a damaged log ----------------------------------------------------
 @pytest.mark.slow
-def test_resume_given_a_checkpoint_file_or_fewer_steps_is_one_line(base_run: Path, tmp_path: Path) -> None:
+def test_resume_given_a_checkpoint_file_or_fewer_steps_is_error_line(base_run: Path, tmp_path: Path) -> None:
     run_dir = copy_run(base_run, tmp_path)
     given_file = palestra(["--resume", str(run_dir / "checkpoints" / "step-000002.pt")], tmp_path)
     assert given_file.returncode == 2

@@ -19,55 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from train_processes import clean_env, error_line, palestra, start, write_config
 
 from palestra import cli
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.run_lock import LOCK_NAME, RunLock, RunLocked
 
 ERROR = "palestra train: error: "
-
-
-def write_config(folder: Path, raw: dict[str, Any]) -> Path:
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def clean_env(site: Path | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
-    }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site) if site else "")
-    return env
-
-
-def start(args: list[str], cwd: Path, site: Path | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "palestra", "train", *args],
-        cwd=cwd,
-        env=clean_env(site),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def palestra(
-    args: list[str], cwd: Path, timeout: float = 180, site: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    proc = start(args, cwd, site)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def one_line(result: subprocess.CompletedProcess[str]) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
 
 
 def wait_for(proc: subprocess.Popen[str], path: Path, lines: int = 1, timeout: float = 120) -> None:
@@ -100,7 +58,7 @@ def test_a_second_writer_of_a_live_run_is_refused_naming_the_process_and_a_kill_
         ):
             result = palestra(args, tmp_path)
             assert result.returncode == 2, result.stderr[-3000:]
-            line = one_line(result)
+            line = error_line(result)
             assert line.startswith(f"{ERROR}runs/r is in use by process {live.pid} (a palestra train writing this run)")
             assert live.poll() is None, "the live run died under a refused second writer"
         steps = logged_steps(run_dir)
@@ -197,7 +155,7 @@ def test_a_run_name_that_is_not_one_folder_name_is_one_line_and_writes_nothing(
 
 # ---- every exit saves and says one line --------------------------------------------------------------------------
 @pytest.mark.slow
-def test_sighup_saves_at_a_step_boundary_and_exits_129_with_one_line(
+def test_sighup_saves_at_a_step_boundary_and_exits_129_with_error_line(
     tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
 ) -> None:
     write_config(tmp_path, raw_config(steps=400, save_every=0))
@@ -275,7 +233,7 @@ def billion_laughs(levels: int) -> str:
     return "\n".join([*lines, f"    difficulty: *l{levels - 1}", ""])
 
 
-def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_yaml_alias_bomb_is_refused_at_once_in_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bomb.yaml"
     path.write_text(billion_laughs(9))  # 10**9 values once expanded: 93 s and 6.3 GB before the bound
     started = time.monotonic()
@@ -351,7 +309,7 @@ def test_a_run_that_fails_at_step_0_leaves_no_run_and_the_rerun_starts(
     write_config(tmp_path, failing)
     failed = palestra(["--config", "config.yaml"], tmp_path, site=failing_site)
     assert failed.returncode == 2
-    assert "the task server is down" in one_line(failed)
+    assert "the task server is down" in error_line(failed)
     assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
 
     # A start killed before its first checkpoint leaves run.json and an empty log: still no run to protect.
@@ -382,7 +340,7 @@ def test_under_torchrun_rank_0_holds_the_lock(tmp_path: Path, raw_config: Callab
         wait_for(job, run_dir / "checkpoints" / "latest")  # both ranks past start-up: neither locked out the other
         result = palestra(["--resume", "runs/r"], tmp_path)
         assert result.returncode == 2, result.stderr[-3000:]
-        holder = int(one_line(result).split("in use by process ")[1].split(" ")[0])
+        holder = int(error_line(result).split("in use by process ")[1].split(" ")[0])
         environ = Path(f"/proc/{holder}/environ").read_bytes().split(b"\0")
         assert b"RANK=0" in environ and b"WORLD_SIZE=2" in environ  # a torchrun worker, rank 0
     finally:
