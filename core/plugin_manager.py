@@ -17,6 +17,11 @@ They load first, in module order (so grouped by kind). What differs is failure:
   later says why it is missing. Everything else keeps working.
 * a plugin implementing a hook that does not exist (usually a misspelling, ``register_reward``) is a hard
   error naming the plugin, its distribution and the hook: otherwise the hook would silently never run.
+* a third-party plugin that calls ``sys.exit()`` while loading or in a ``register_*`` hook is disabled the same way
+  (the warning says it called ``sys.exit(N)``): a plugin does not decide that palestra exits;
+* what a third-party plugin prints while it loads or registers goes to stderr, so stdout keeps the command's answer
+  (``palestra plugins --json``, ``palestra config show``); one that takes more than :data:`SLOW_PLUGIN_S` seconds
+  to import or to register is named on stderr (once), and waited for.
 * a plugin declaring the plugin API versions it supports (``PALESTRA_PLUGIN_API = ">=2.0,<3"`` in its module)
   that exclude :data:`palestra.hookspecs.PLUGIN_API` is disabled with one warning naming it and both versions.
 
@@ -29,6 +34,7 @@ Environment variables, read when the manager is first built (call :func:`reset` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -36,7 +42,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -52,6 +58,9 @@ LOAD_PLUGINS_ENV = "PALESTRA_LOAD_PLUGINS"
 TRACE_PLUGINS_ENV = "PALESTRA_TRACE_PLUGINS"
 
 BUILTIN_PACKAGE = "palestra.plugins"  # where every built-in plugin module lives
+# A third-party plugin still importing (or registering) after this many seconds is named on stderr: a plugin that
+# reaches the network or builds a cache at import would otherwise look like palestra hanging.
+SLOW_PLUGIN_S = 5.0
 
 
 class PalestraPluginWarning(UserWarning):
@@ -169,6 +178,9 @@ class _Loader:
         self._load_builtins()
         self._load_third_party(_requested_distributions())
         self._check_pending()
+        theirs = {p.name: p for p in self.plugins if not p.builtin and p.error is None}
+        if theirs:  # without third-party plugins, hook calls stay exactly as they were
+            _watch_lifecycle_hooks(self.pm, theirs)
         return _State(manager=self.pm, plugins=self.plugins, broken=self.broken)
 
     def _load_builtins(self) -> None:
@@ -209,9 +221,12 @@ class _Loader:
     def _load_distribution(self, dist: metadata.Distribution, eps: list[metadata.EntryPoint]) -> None:
         """Load every plugin of one distribution, or none of them: a half-loaded distribution is not usable."""
         registered: list[tuple[str, Any, metadata.EntryPoint]] = []
+        module = eps[0].value
         try:
             for ep in eps:
-                plugin = ep.load()
+                module = ep.value
+                with _plugin_code(self.dist_names.name(dist), ep.value, "loading"):
+                    plugin = ep.load()
                 _check_api(plugin, ep.name)
                 name = ep.name if self.pm.get_plugin(ep.name) is None else f"{self.dist_names.name(dist)}:{ep.name}"
                 self.pm.register(plugin, name=name)
@@ -221,10 +236,11 @@ class _Loader:
                 self.pm.unregister(name=name)
             self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, str(e), api=e.declared)
             return
-        except Exception as e:  # noqa: BLE001 - a third-party plugin that fails to import is disabled, not fatal
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a failing third-party plugin is disabled, not fatal
             for name, _, _ in registered:
                 self.pm.unregister(name=name)
-            self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, f"{_one_line(e)} (while loading)")
+            error = f"{_plugin_failure(e, module)} (while loading)"
+            self._disable(", ".join(ep.name for ep in eps), eps[0].value, dist, error)
             return
         for name, plugin, ep in registered:
             self._loaded(plugin, name, ep.value, dist, builtin=False)
@@ -410,11 +426,12 @@ def _build_registry(state: _State) -> Registry:
                 trace("calling", hook_name, "of plugin", repr(info.name))
                 register = _Register(kind, info, staged)
                 try:
-                    pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
+                    with _plugin_code(info.distribution or info.name, info.module, hook_name, watch=not info.builtin):
+                        pm.subset_hook_caller(hook_name, remove_plugins=others)(register=register)
                 finally:
                     register.closed = True
-        except Exception as e:
-            error = f"{_one_line(e)} (in {hook_name})"
+        except (Exception, SystemExit) as e:  # SystemExit too: a plugin does not decide that palestra exits
+            error = f"{_plugin_failure(e, info.module)} (in {hook_name})"
             if info.builtin:
                 raise BuiltinPluginError(
                     f"built-in plugin {info.name!r} failed: {error}; the palestra install is broken"
@@ -478,6 +495,93 @@ def _warn_broken(distribution: str, error: str) -> None:
         PalestraPluginWarning,
         stacklevel=3,
     )
+
+
+@contextlib.contextmanager
+def _plugin_code(distribution: str, module: str, doing: str, *, watch: bool = True) -> Iterator[None]:
+    """Around a plugin's own code (its import, a registration hook): what it prints goes to stderr, since stdout
+    carries the command's answer (JSON, YAML); and if it is still running after :data:`SLOW_PLUGIN_S` seconds,
+    one line on stderr names it. It is not interrupted: a slow plugin may be doing real work."""
+    if not watch:
+        yield
+        return
+    timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (distribution, module, doing))
+    timer.daemon = True  # a plugin that never returns must not also keep the process alive through its timer
+    timer.start()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        timer.cancel()
+
+
+def _watch_lifecycle_hooks(pm: pluggy.PluginManager, theirs: dict[str, PluginInfo]) -> None:
+    """The ``on_*`` hooks (called by the trainer) that reach a third-party plugin get what registration gets: one
+    that runs past :data:`SLOW_PLUGIN_S` is named on stderr, and a ``sys.exit()`` in one becomes a one-line
+    :class:`PluginError` naming it, so the run stops the way any failed hook stops it, not silently."""
+    timers: list[threading.Timer | None] = []  # a stack: a hook may call another hook
+
+    def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
+        reached = [theirs[i.plugin_name] for i in impls if i.plugin_name in theirs]
+        timer = None
+        if reached and hook_name.startswith("on_"):
+            who = reached[0] if len(reached) == 1 else None
+            dist = (
+                who.distribution or who.name if who else ", ".join(sorted({p.distribution or p.name for p in reached}))
+            )
+            timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (dist, who.module if who else "several", hook_name))
+            timer.daemon = True
+            timer.start()
+        timers.append(timer)
+
+    def after(
+        outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]
+    ) -> None:
+        timer = timers.pop()
+        if timer is not None:
+            timer.cancel()
+        if isinstance(outcome.exception, SystemExit) and hook_name.startswith("on_"):
+            culprit = _raising_plugin(outcome.exception, impls)
+            info = theirs.get(culprit.plugin_name) if culprit else None
+            who = f"plugin {info.distribution or info.name!r}" if info else "a plugin"
+            if info:
+                who += f" (module {info.module})"
+            outcome.force_exception(
+                PluginError(f"{who} called {_exit_call(outcome.exception)} in {hook_name}; the run stops here")
+            )
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def _raising_plugin(error: BaseException, impls: Sequence[pluggy.HookImpl]) -> pluggy.HookImpl | None:
+    """The hook implementation whose code is on the traceback of ``error`` (the innermost one)."""
+    codes = {getattr(i.function, "__code__", None): i for i in impls}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        found = codes.get(tb.tb_frame.f_code, found)
+        tb = tb.tb_next
+    return found
+
+
+def _say_slow(distribution: str, module: str, doing: str) -> None:
+    what = "loading" if doing == "loading" else f"running {doing} of"
+    print(
+        f"palestra: still {what} plugin {distribution!r} (module {module}) after {SLOW_PLUGIN_S:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _plugin_failure(e: BaseException, module: str) -> str:
+    """What went wrong in a plugin, in one line; ``sys.exit(N)`` is named as the call it was."""
+    if isinstance(e, SystemExit):
+        return f"module {module} called {_exit_call(e)}"
+    return _one_line(e)
+
+
+def _exit_call(e: SystemExit) -> str:
+    return f"sys.exit({'' if e.code is None else repr(e.code)})"
 
 
 def _enable_tracing(pm: pluggy.PluginManager) -> None:
