@@ -1,9 +1,13 @@
 """Write a new plugin package to start from: ``palestra new plugin NAME [--kinds reward,environment] [--dir DIR]``.
 
 The package (folder ``DIR/NAME``) is pip-installable as it stands: a ``pyproject.toml`` declaring the ``palestra``
-entry point, a module ``NAME`` whose commented hook implementations register one working minimal component per
-kind asked for (each registered as ``NAME``), a test that checks every one of them with the contract kit
+entry point, a module whose commented hook implementations register one working minimal component per kind asked
+for (each registered under the module's name), a test that checks every one of them with the contract kit
 (``palestra.testing``), and a README. The files are rendered from ``palestra/cli/plugin_template/``.
+
+NAME is a distribution name as Python packaging spells them (PEP 508: ASCII letters and digits, with ``-``, ``_``
+or ``.`` inside), such as ``palestra-foo``; the module is that name with ``_`` for the separators
+(``palestra_foo``), and the distribution its normalised form (PEP 503). Both are said in the output.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import importlib.util
 import json
 import keyword
 import re
+import shutil
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -100,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "name",
         metavar="NAME",
-        help="the plugin's module name, a Python identifier; each component is registered under it",
+        help="the plugin's distribution name (e.g. palestra-foo); its module is the name with '_' for '-' and '.' "
+        "(palestra_foo), and each component is registered under the module's name",
     )
     parser.add_argument(
         "--kinds",
@@ -113,20 +120,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Names:
+    """What NAME becomes: the distribution (pip's name for it) and the module (the import name, the entry point's
+    name and every component's registered name)."""
+
+    dist: str
+    module: str
+
+
 def run(args: argparse.Namespace) -> int:
     kinds = parse_kinds(args.kinds)
+    names = parse_name(args.name)
+    check_dir(args.dir)
     target = Path(args.dir) / args.name
-    check_name(args.name, target, kinds)
-    files = render(args.name, kinds)
-    for relative, text in files.items():
-        path = target / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    print(f"wrote {target}/: a palestra plugin with {', '.join(f'{k} {args.name!r}' for k in kinds)}")
+    check_name(names.module, target, kinds)
+    files = render(names.module, kinds, dist=names.dist)
+    write_package(target, files, args.dir)
+    print(f"wrote {target}/: a palestra plugin with {', '.join(f'{k} {names.module!r}' for k in kinds)}")
+    print(f"  distribution {names.dist!r} (pip's name for it), module {names.module!r} (its import name)")
     for relative in files:
         print(f"  {target / relative}")
     print(f"next: pip install -e {target} && (cd {target} && python -m pytest)")
     return 0
+
+
+def write_package(target: Path, files: dict[str, str], where: str) -> None:
+    """Write every file, or none: a package half written is removed (``target`` did not exist before)."""
+    try:
+        for relative, text in files.items():
+            path = target / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        shutil.rmtree(target, ignore_errors=True)
+        raise UsageError(f"--dir {where!r}: cannot write the package there ({e.strerror or e})") from None
 
 
 # ---- checking what was asked for ------------------------------------------------------------------------
@@ -142,12 +170,37 @@ def parse_kinds(text: str) -> list[str]:
     return list(dict.fromkeys(k for k in SCAFFOLDS if k in kinds))  # one of each, in a fixed order
 
 
+# PEP 508's distribution name; re.ASCII: \w and friends are not used, but be explicit that only ASCII passes
+DIST_NAME = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$", re.ASCII)
+
+
+def parse_name(name: str) -> Names:
+    """NAME as a distribution name, and the module derived from it; a name packaging refuses is one line."""
+    if not DIST_NAME.match(name):
+        suggestion = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+        suggestion = re.sub(r"[^A-Za-z0-9._-]+", "-", suggestion).strip("-_.")
+        hint = f"; try {suggestion!r}" if suggestion and DIST_NAME.match(suggestion) else ""
+        raise UsageError(
+            f"NAME {name!r} is not a distribution name (ASCII letters and digits, with '-', '_' or '.' between "
+            f"them){hint}"
+        )
+    module = name if name.isidentifier() else re.sub(r"[-_.]+", "_", name)
+    if not module.isidentifier():  # it starts with a digit
+        raise UsageError(f"NAME {name!r}: its module name {module!r} would start with a digit; pick another name")
+    if keyword.iskeyword(module):
+        raise UsageError(f"NAME {name!r}: its module name {module!r} is a Python keyword; pick another name")
+    return Names(dist=re.sub(r"[-_.]+", "-", name).lower(), module=module)
+
+
+def check_dir(folder: str) -> None:
+    """--dir is a folder (made when missing); a file there is one line before anything is written."""
+    p = Path(folder)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--dir {folder!r} is not a folder; name the folder to create the package in")
+
+
 def check_name(name: str, target: Path, kinds: list[str]) -> None:
-    """NAME becomes a module, a folder and every component's registered name: each must be free."""
-    if not name.isidentifier() or keyword.iskeyword(name):
-        suggestion = re.sub(r"\W", "_", name).strip("_").lower()
-        hint = f"; try {suggestion!r}" if suggestion.isidentifier() and not keyword.iskeyword(suggestion) else ""
-        raise UsageError(f"NAME {name!r} is not a Python identifier (it becomes the module name){hint}")
+    """The module name (and the folder, and every component's registered name) must be free."""
     if target.exists():
         raise UsageError(f"NAME {name!r}: {target} already exists; pick another name or --dir")
     try:
@@ -170,15 +223,16 @@ def check_name(name: str, target: Path, kinds: list[str]) -> None:
 
 
 # ---- writing the package ---------------------------------------------------------------------------------
-def render(name: str, kinds: list[str]) -> dict[str, str]:
-    """Relative path -> text of every file of the package."""
+def render(name: str, kinds: list[str], *, dist: str | None = None) -> dict[str, str]:
+    """Relative path -> text of every file of the package: module ``name``, distribution ``dist`` (by default the
+    module's name with ``-`` for ``_``)."""
     from palestra import __version__
     from palestra.hookspecs import PLUGIN_API
 
     major = int(PLUGIN_API.split(".")[0])
     values = {
         "name": name,
-        "dist": name.replace("_", "-"),
+        "dist": dist or name.replace("_", "-"),
         "cls": "".join(part.capitalize() for part in name.split("_")) or name,
         "summary": ", ".join(f"{kind} {name!r}" for kind in kinds),
         "palestra_version": __version__,

@@ -112,13 +112,67 @@ def test_loading_the_generated_plugin_and_registering_its_components_does_not_im
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+# ---- NAME is a distribution name ----------------------------------------------------------------------------
+@pytest.mark.pip_install
+def test_a_distribution_name_gives_its_module_and_the_package_installs_and_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    assert main(["new", "plugin", "palestra-foo", "--kinds", "reward", "--dir", str(tmp_path / "src")]) == 0
+    out = capsys.readouterr().out
+    assert "distribution 'palestra-foo' (pip's name for it), module 'palestra_foo' (its import name)" in out
+    package = tmp_path / "src" / "palestra-foo"
+    pyproject = tomllib.loads((package / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["project"]["name"] == "palestra-foo"
+    assert pyproject["project"]["entry-points"]["palestra"] == {"palestra_foo": "palestra_foo"}
+    assert (package / "palestra_foo" / "reward.py").is_file()
+
+    site = tmp_path / "site"
+    install = plugin_installs.run_python(
+        ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir", "--no-compile",
+         "--disable-pip-version-check", "--quiet", "--target", str(site), str(package)], [], tmp_path)  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    listed = plugin_installs.run_palestra(["plugins", "--json"], [site], tmp_path)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    [row] = json.loads(listed.stdout)
+    assert (row["name"], row["distribution"], row["module"], row["rewards"], row["error"]) == (
+        "palestra_foo",
+        "palestra-foo",
+        "palestra_foo",
+        ["palestra_foo"],
+        None,
+    )
+
+
+def test_every_accepted_name_writes_a_pyproject_that_parses(tmp_path: Path) -> None:
+    import tomllib
+
+    for name in ("echo_task", "palestra-foo", "Palestra.Bar", "x"):
+        assert main(["new", "plugin", name, "--kinds", "logger", "--dir", str(tmp_path)]) == 0
+        pyproject = tomllib.loads((tmp_path / name / "pyproject.toml").read_text(encoding="utf-8"))
+        module = pyproject["tool"]["setuptools"]["packages"][0]
+        assert (tmp_path / name / module / "__init__.py").is_file() and module.isidentifier()
+    assert (
+        tomllib.loads((tmp_path / "Palestra.Bar" / "pyproject.toml").read_text())["project"]["name"] == "palestra-bar"
+    )
+
+
 # ---- NAME mistakes are one line ----------------------------------------------------------------------------
-def test_a_name_that_is_not_an_identifier_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert only_error(capsys, "new", "plugin", "my-plugin", "--dir", str(tmp_path)) == (
-        "palestra new: error: NAME 'my-plugin' is not a Python identifier (it becomes the module name); try 'my_plugin'"
+def test_a_name_that_is_not_a_distribution_name_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert only_error(capsys, "new", "plugin", "ünï", "--dir", str(tmp_path)) == (
+        "palestra new: error: NAME 'ünï' is not a distribution name (ASCII letters and digits, with '-', '_' or '.' "
+        "between them); try 'uni'"
+    )
+    assert only_error(capsys, "new", "plugin", "my plugin!", "--dir", str(tmp_path)) == (
+        "palestra new: error: NAME 'my plugin!' is not a distribution name (ASCII letters and digits, with '-', "
+        "'_' or '.' between them); try 'my-plugin'"
     )
     assert only_error(capsys, "new", "plugin", "class", "--dir", str(tmp_path)) == (
-        "palestra new: error: NAME 'class' is not a Python identifier (it becomes the module name)"
+        "palestra new: error: NAME 'class': its module name 'class' is a Python keyword; pick another name"
+    )
+    assert only_error(capsys, "new", "plugin", "3d-reward", "--dir", str(tmp_path)) == (
+        "palestra new: error: NAME '3d-reward': its module name '3d_reward' would start with a digit; pick another name"
     )
     assert not any(tmp_path.iterdir())  # nothing written
 
