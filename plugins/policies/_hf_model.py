@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import mmap
+import struct
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -69,6 +71,7 @@ def _locate_sources(o: HFOptions) -> _Sources:
     else:
         model_dir, name = _locate_gguf(_check_folder("path", path, what="a GGUF file"), o.gguf_file)
         source, from_file = str(Path(model_dir) / name), {"gguf_file": name}
+        _check_gguf_whole(Path(source))
     tok_key, tok_dir, tok_file = model_key, model_dir, from_file
     if o.tokenizer_path is not None:
         tok_path = _resolve_package("tokenizer_path", o.tokenizer_path)
@@ -92,6 +95,8 @@ def _load_tokenizer(transformers: Any, src: _Sources, config: Any, common: dict[
         hf_tok = transformers.AutoTokenizer.from_pretrained(src.tok_dir, **src.tok_file, **common)
     except Exception as e:  # noqa: BLE001  (a folder can fail to load in many ways; all are config errors)
         what = src.source if src.tok_file else src.tok_dir
+        if not src.tok_file:
+            _check_tokenizer_files(src)
         raise ConfigError(f"{WHERE}.{src.tok_key}: cannot load a tokenizer from {what!r}: {_first_line(e)}") from None
     eos_fallback = getattr(config, "eos_token_id", None)
     if isinstance(eos_fallback, (list, tuple)):
@@ -100,6 +105,137 @@ def _load_tokenizer(transformers: Any, src: _Sources, config: Any, common: dict[
         return HFTokenizer(hf_tok, eos_token_id=eos_fallback)
     except ValueError as e:
         raise ConfigError(f"{WHERE}.{src.tok_key}: the tokenizer at {src.tok_dir!r}: {e}") from None
+
+
+# The files transformers builds a tokenizer from: a folder needs every file of one of these sets.
+TOKENIZER_FILES = (
+    ("tokenizer.json",),
+    ("tokenizer.model",),
+    ("spiece.model",),
+    ("vocab.json", "merges.txt"),
+    ("vocab.txt",),
+)
+
+
+def _check_tokenizer_files(src: _Sources) -> None:
+    """A folder without any tokenizer files is said as that (transformers' own error is a paragraph about backends)."""
+    folder = Path(src.tok_dir)
+    if any(all((folder / f).is_file() for f in files) for files in TOKENIZER_FILES):
+        return
+    wanted = ", ".join(" + ".join(files) for files in TOKENIZER_FILES)
+    fix = "copy them next to the model" if src.tok_key == "path" else "name a folder that holds them"
+    also = f", or set {WHERE}.tokenizer_path to a folder holding them" if src.tok_key == "path" else ""
+    raise ConfigError(
+        f"{WHERE}.{src.tok_key}: {src.tok_dir!r} holds no tokenizer files (none of {wanted}); {fix}{also}"
+    )
+
+
+# ---- a GGUF file cut short (an interrupted download or copy) ---------------------------------------------
+# GGUF value types (the format's own numbering) -> size in bytes; 8 (a string) and 9 (an array) are read apart
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _GGUFTruncated(Exception):
+    """The file ended inside its header."""
+
+
+class _GGUFHeader:
+    """Reads just enough of a little-endian GGUF (v2, v3) header to know how many bytes the whole file needs."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.pos = data, 4  # after the magic
+
+    def take(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from(fmt, self.data, self.pos) if self._fits(struct.calcsize(fmt)) else ()
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def skip(self, size: int) -> None:
+        self._fits(size)
+        self.pos += size
+
+    def _fits(self, size: int) -> bool:
+        if self.pos + size > len(self.data):
+            raise _GGUFTruncated
+        return True
+
+    def string(self) -> bytes:
+        (size,) = self.take("<Q")
+        self._fits(size)
+        self.pos += size
+        return bytes(self.data[self.pos - size : self.pos])
+
+    def skip_value(self, kind: int) -> None:
+        if kind == 8:
+            self.string()
+        elif kind == 9:
+            item, count = self.take("<IQ")
+            if item in _GGUF_SCALARS:
+                self.skip(count * _GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        elif kind in _GGUF_SCALARS:
+            self.skip(_GGUF_SCALARS[kind])
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+    def needed_size(self, block_sizes: Mapping[int, tuple[int, int]]) -> int | None:
+        """The bytes the header and every tensor it lists take; None when this reader does not know the layout."""
+        version, tensors, keys = self.take("<IQQ")
+        if version not in (2, 3):
+            return None
+        alignment = 32  # the format's default, unless general.alignment says otherwise
+        for _ in range(keys):
+            key, (kind,) = self.string(), self.take("<I")
+            if key == b"general.alignment" and kind == 4:
+                (alignment,) = self.take("<I")
+            else:
+                self.skip_value(kind)
+        end = 0
+        for _ in range(tensors):
+            self.string()
+            (dims,) = self.take("<I")
+            shape = self.take(f"<{dims}Q")
+            kind, offset = self.take("<IQ")
+            if kind not in block_sizes:
+                return None
+            block, block_bytes = block_sizes[kind]
+            end = max(end, offset + _count(shape) // block * block_bytes)
+        return -(-self.pos // alignment) * alignment + end
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_gguf_whole(file: Path) -> None:
+    """A GGUF file shorter than its own header says is named as truncated (transformers would report a numpy reshape
+    of the first tensor it cannot fill)."""
+    try:
+        import gguf
+    except ImportError:  # build_hf_policy asked for it already; without it transformers says so itself
+        return
+    sizes = {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        have = len(data)
+        try:
+            need = _GGUFHeader(data).needed_size(sizes)
+        except _GGUFTruncated:
+            raise ConfigError(
+                f"{WHERE}.gguf_file: {str(file)!r} is truncated: it is {have} bytes and ends inside its own header; "
+                "download or copy it again"
+            ) from None
+        except (ValueError, struct.error, OverflowError):
+            return  # a header this reader does not follow: transformers' own reading decides
+    if need is not None and have < need:
+        raise ConfigError(
+            f"{WHERE}.gguf_file: {str(file)!r} is truncated: it is {have} bytes, but its header lists tensors up to "
+            f"byte {need}; download or copy it again"
+        )
 
 
 def _load_model(

@@ -149,9 +149,13 @@ class HFTokenizer:
 
 
 # ---- loading helpers (each raises a one-line ConfigError naming the option) --------------------------
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+def _first_line(error: BaseException, limit: int = 400) -> str:
+    """The error as one line: every line of its message joined (a first line alone can stop mid-sentence), cut at
+    ``limit`` characters on a word boundary."""
+    text = " ".join(str(error).split())
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(error).__name__}: {text}".rstrip(": ")
 
 
 def _resolve_package(key: str, value: str) -> str:
