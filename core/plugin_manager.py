@@ -505,7 +505,7 @@ def _plugin_code(distribution: str, module: str, doing: str, *, watch: bool = Tr
     if not watch:
         yield
         return
-    timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (distribution, module, doing))
+    timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (f"plugin {distribution!r} (module {module})", doing))
     timer.daemon = True  # a plugin that never returns must not also keep the process alive through its timer
     timer.start()
     try:
@@ -519,33 +519,34 @@ def _watch_lifecycle_hooks(pm: pluggy.PluginManager, theirs: dict[str, PluginInf
     """The ``on_*`` hooks (called by the trainer) that reach a third-party plugin get what registration gets: one
     that runs past :data:`SLOW_PLUGIN_S` is named on stderr, and a ``sys.exit()`` in one becomes a one-line
     :class:`PluginError` naming it, so the run stops the way any failed hook stops it, not silently."""
-    timers: list[threading.Timer | None] = []  # a stack: a hook may call another hook
+    local = threading.local()  # per thread, a stack of timers: a hook may call another hook
+
+    def timers() -> list[threading.Timer | None]:
+        if not hasattr(local, "timers"):
+            local.timers = []
+        stack: list[threading.Timer | None] = local.timers
+        return stack
 
     def before(hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
         reached = [theirs[i.plugin_name] for i in impls if i.plugin_name in theirs]
         timer = None
-        if reached and hook_name.startswith("on_"):
-            who = reached[0] if len(reached) == 1 else None
-            dist = (
-                who.distribution or who.name if who else ", ".join(sorted({p.distribution or p.name for p in reached}))
-            )
-            timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (dist, who.module if who else "several", hook_name))
+        if reached and hook_name.startswith("on_"):  # which of them is running is not known: all are named
+            who = ("plugin " if len(reached) == 1 else "plugins ") + ", ".join(_named(p) for p in reached)
+            timer = threading.Timer(SLOW_PLUGIN_S, _say_slow, (who, hook_name))
             timer.daemon = True
             timer.start()
-        timers.append(timer)
+        timers().append(timer)
 
     def after(
         outcome: pluggy.Result[Any], hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]
     ) -> None:
-        timer = timers.pop()
+        timer = timers().pop()
         if timer is not None:
             timer.cancel()
         if isinstance(outcome.exception, SystemExit) and hook_name.startswith("on_"):
             culprit = _raising_plugin(outcome.exception, impls)
             info = theirs.get(culprit.plugin_name) if culprit else None
-            who = f"plugin {info.distribution or info.name!r}" if info else "a plugin"
-            if info:
-                who += f" (module {info.module})"
+            who = f"plugin {_named(info)}" if info else "a plugin"
             outcome.force_exception(
                 PluginError(f"{who} called {_exit_call(outcome.exception)} in {hook_name}; the run stops here")
             )
@@ -564,13 +565,13 @@ def _raising_plugin(error: BaseException, impls: Sequence[pluggy.HookImpl]) -> p
     return found
 
 
-def _say_slow(distribution: str, module: str, doing: str) -> None:
+def _named(info: PluginInfo) -> str:
+    return f"{info.distribution or info.name!r} (module {info.module})"
+
+
+def _say_slow(who: str, doing: str) -> None:
     what = "loading" if doing == "loading" else f"running {doing} of"
-    print(
-        f"palestra: still {what} plugin {distribution!r} (module {module}) after {SLOW_PLUGIN_S:g} s",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"palestra: still {what} {who} after {SLOW_PLUGIN_S:g} s", file=sys.stderr, flush=True)
 
 
 def _plugin_failure(e: BaseException, module: str) -> str:

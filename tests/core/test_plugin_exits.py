@@ -33,9 +33,10 @@ PLUGINS = {
         "import sys\n\nfrom palestra import hookimpl\n\n\n@hookimpl\ndef register_rewards(register):\n"
         "    register('hook_exits_reward', lambda: None)\n    sys.exit(3)\n",
     ),
-    "palestra-step-exits": (
+    "palestra-step-exits": (  # slow to start training, then exits at step 1
         "step_exits_plugin",
-        "import sys\n\nfrom palestra import hookimpl\n\n\n@hookimpl\ndef on_step_start(run):\n"
+        "import sys\nimport time\n\nfrom palestra import hookimpl\n\n\n@hookimpl\ndef on_train_start(run):\n"
+        f"    time.sleep({SLOW_PLUGIN_S + 2})\n\n\n@hookimpl\ndef on_step_start(run):\n"
         "    if run.step >= 1:\n        sys.exit(3)\n",
     ),
     "palestra-loud": (
@@ -119,7 +120,7 @@ def test_a_plugin_calling_sys_exit_is_disabled_in_one_line_and_commands_still_wo
 
 @pip_install
 @pytest.mark.slow
-def test_a_plugin_calling_sys_exit_in_a_lifecycle_hook_stops_the_run_in_one_line(
+def test_a_lifecycle_hook_slow_is_named_and_calling_sys_exit_stops_the_run_in_one_line(
     sites: dict[str, Path], tmp_path: Path
 ) -> None:
     config = train_processes.write_config(
@@ -129,6 +130,9 @@ def test_a_plugin_calling_sys_exit_in_a_lifecycle_hook_stops_the_run_in_one_line
     )  # fmt: skip
     result = train_processes.palestra(["--config", str(config)], tmp_path, site=sites["palestra-step-exits"])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    slow = "palestra: still running on_train_start of plugin 'palestra-step-exits' (module step_exits_plugin) after"
+    assert lines[0] == f"{slow} {SLOW_PLUGIN_S:g} s"  # the slow hook is named, and waited for
     assert "step 1/4" in result.stderr  # the console's progress lines, then the one error line
     assert result.stderr.strip().splitlines()[-1] == (
         "palestra train: error: plugin 'palestra-step-exits' (module step_exits_plugin) called sys.exit(3) in "
