@@ -157,3 +157,45 @@ def test_a_kernel_build_says_when_it_starts_and_how_long_it_took(tmp_path: Path)
     assert lines[1].startswith("palestra: built the C++ kernels in ") and str(tmp_path / "cache") in lines[1], lines
     assert len(lines) == 2, lines  # once per process: nothing on the second load
     assert runs[1].returncode == 0 and "palestra:" not in runs[1].stderr, runs[1].stderr  # cached: silent
+
+
+def dashboard_records(steps: int = 60) -> list[dict[str, float]]:
+    return [
+        {
+            "step": s,
+            "reward/mean": s / steps,
+            "reward/ema": s / (2 * steps),
+            "policy/clip_frac": 0.0,
+            "policy/ratio": 1.0 + 1e-7 * (s % 3),  # "1e-7+1" on an axis: it says 1
+            "lr": 1e-5,
+            "train/skipped": 0.0,
+            "perf/step_s": 41.0 if s == 1 else 0.1 + 0.001 * (s % 5),  # the first step built the kernels
+            "diag/logit_norm": 5000.0 if s == 30 else 10.0 + 0.01 * s,
+        }
+        for s in range(1, steps + 1)
+    ]
+
+
+def test_constant_panels_fold_into_one_box() -> None:
+    from palestra.cli.dashboard import plan_panels
+
+    panels = plan_panels(dashboard_records())
+    assert [p.title for p in panels] == ["reward", "diag", "perf", "constants"]
+    assert panels[-1].text == ["clip fraction: 0", "learning rate: 1e-05", "policy/ratio: 1", "train/skipped: 0"]
+
+
+def test_perf_and_diagnostics_fit_the_bulk_and_mark_outliers_and_legends_stay_outside() -> None:
+    from palestra.cli.dashboard import build_figure, plan_panels
+
+    fig = build_figure(plan_panels(dashboard_records()), title="run")
+    fig.canvas.draw()
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    low, high = axes["perf"].get_ylim()
+    assert high < 1.0 and low > 0.0, (low, high)  # fitted to the 0.1 s steps, not the 41 s first one
+    assert any("off the axis (41 at step 1" in t.get_text() for t in axes["perf"].texts)
+    assert axes["diag"].get_ylim()[1] < 100 and any("5e+03 at step 30" in t.get_text() for t in axes["diag"].texts)
+    reward = axes["reward"]
+    box, legend = reward.get_window_extent(), reward.get_legend().get_window_extent()
+    assert legend.x0 >= box.x1  # beside the curves, not over them
+    assert reward.get_ylim()[1] >= 1.0  # the reward keeps its whole range
+    assert "clip fraction: 0" in axes["constants"].texts[0].get_text()
