@@ -17,7 +17,13 @@ Names that need torch (the learner base, the causal-LM policy base) load on firs
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# OpenMP threads that spin while they wait for work make a small model tens of times slower when another job shares
+# the cores (each parallel region waits for a thread the kernel descheduled). Passive waiting costs a quiet machine
+# little; it must be set before torch loads its OpenMP runtime, which reads it once. The user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from palestra.hookspecs import PLUGIN_API, hookimpl
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -182,6 +183,14 @@ class NativeLibrary:
             verify_ninja_availability()
         except RuntimeError as e:
             raise KernelBuildError("all ops", f"ninja is not available ({e}); pip install ninja") from None
+        # A first build takes tens of seconds (minutes for CUDA) before step 0 moves: say so, and how long it took.
+        fresh = not (build_dir / f"{self.name}.so").is_file()
+        kind = "CUDA" if self.cuda else "C++"
+        if fresh:
+            print(
+                f"palestra: building the {kind} kernels ({self.name}; first run only)...", file=sys.stderr, flush=True
+            )
+        started = time.perf_counter()
         try:
             lib_path = cpp_extension.load(
                 name=self.name,
@@ -199,6 +208,12 @@ class NativeLibrary:
             op, line = _first_error(str(e), files)
             raise KernelBuildError(op, f"{self.name} build failed: {line}") from e
         del lib_path  # load(is_python_module=False) has already run torch.ops.load_library on it
+        if fresh:
+            print(
+                f"palestra: built the {kind} kernels in {time.perf_counter() - started:.1f} s (cached in {build_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
         for callback in self._on_load:
             callback()
 
@@ -256,6 +271,31 @@ def cpu_simd_level() -> str:
     if {"avx2", "fma"} <= flags:
         return "avx2"
     return "portable"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (``AMD EPYC 9B14``), or what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_bf16_kind() -> str:
+    """How this CPU multiplies bf16 matrices: ``amx`` (Intel AMX tiles, the fast path oneDNN takes), ``avx512_bf16``
+    (AVX-512 dot-product instructions, no AMX) or ``emulated`` (neither: bf16 is converted to float32 first)."""
+    flags = set(_cpu_flags().split())
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "emulated"
 
 
 # The schema and every CPU implementation; built on first use of a cpp back end.

@@ -5,7 +5,10 @@ reward component, held-out eval points, the maximum as a dashed line), policy en
 value loss, explained variance, grad norm, update ratio (log scale), response length, tokens/s; every
 other numeric metric lands in a panel named after its first path component (``perf/step_s`` -> "perf"),
 one curve per key. A key that extends a known metric (``policy/entropy/responder``, as per-agent metrics
-are named) is drawn as an extra curve in that metric's panel. Panels without data are left out.
+are named) is drawn as an extra curve in that metric's panel. Panels without data are left out; a panel whose
+curves never changed (a clip fraction of 0, a constant learning rate) is one line of a last "constants" box
+instead. Timings and diagnostics fit their y-axis to the bulk of their values and mark outliers at its edge, and
+legends sit beside the axes, never over the curves.
 
 matplotlib is imported only when drawing, and only through its object API with the Agg canvas (no pyplot,
 no global backend switch), so this works headless and inside other programs.
@@ -111,6 +114,10 @@ class Panel:
     series: list[Series] = field(default_factory=list)
     log_y: bool = False
     legend: bool = False  # also with one curve (a group panel, whose title does not name the curve)
+    # Timings and diagnostics have outliers (the first step's kernel build, one huge logit norm) that would flatten
+    # every other point: their y-range is fitted to the bulk and the outliers are marked at its edge.
+    robust: bool = False
+    text: list[str] = field(default_factory=list)  # a text panel (the "constants" box): these lines, no axes
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class _Known:
     keys: tuple[str, ...] = ()
     prefix: str | None = None
     log_y: bool = False
+    robust: bool = False
 
 
 # In dashboard order. Per-agent variants (``<key>/<agent>``) of these keys join their panel.
@@ -132,10 +140,10 @@ KNOWN_PANELS: tuple[_Known, ...] = (
     _Known("clip fraction", ("policy/clip_frac",)),
     _Known("value loss", ("value/loss",)),
     _Known("explained variance", ("value/explained_var",)),
-    _Known("grad norm", ("grad/norm",)),
+    _Known("grad norm", ("grad/norm",), robust=True),
     _Known("update ratio", ("grad/update_ratio",), log_y=True),
     _Known("response length", ("response/length",)),
-    _Known("tokens/s", ("perf/tokens_per_s", "perf/gen_tokens_per_s")),  # whole step, and generation alone
+    _Known("tokens/s", ("perf/tokens_per_s", "perf/gen_tokens_per_s"), robust=True),  # step, and generation alone
     _Known("loss", ("loss",)),
     _Known("learning rate", ("lr",)),
 )
@@ -201,7 +209,7 @@ def plan_panels(records: Iterable[Mapping[str, Any]]) -> list[Panel]:
             keys = keys + eval_reward
         if not keys:
             continue
-        panel = Panel(known.title, log_y=known.log_y)
+        panel = Panel(known.title, log_y=known.log_y, robust=known.robust)
         for key in _reward_order(keys) if known.title == "reward" else keys:
             steps, values = columns[key]
             if key in eval_reward:
@@ -212,13 +220,69 @@ def plan_panels(records: Iterable[Mapping[str, Any]]) -> list[Panel]:
                 panel.series.append(Series(_label(key, known), steps, values))
         panels.append(panel)
     for group in sorted(extra_groups):
-        panel = Panel(group, legend=True)
+        panel = Panel(group, legend=True, robust=group != "eval")
         for key in extra_groups[group]:
             steps, values = columns[key]
             # held-out evaluation runs every few steps: markers, like the eval points on the reward panel
             panel.series.append(Series(_label(key, None), steps, values, style="points" if group == "eval" else "line"))
         panels.append(panel)
-    return panels
+    return fold_constants(panels)
+
+
+CONSTANT_TITLE = "constants"
+
+
+def is_constant(series: Series) -> bool:
+    """Whether a curve says one number: every finite value equal to within a millionth (a ratio logged as
+    1 +- 1e-7 is 1; a flat line and an axis reading "1e-7+1" would take a panel to say it)."""
+    finite = [v for v in series.values if math.isfinite(v)]
+    if series.style != "line" or not finite:
+        return False
+    low, high = min(finite), max(finite)
+    return high - low <= 1e-6 * max(1.0, abs(low), abs(high))
+
+
+def fold_constants(panels: list[Panel]) -> list[Panel]:
+    """Panels whose every curve is constant leave the grid, each curve becoming one line of a last "constants"
+    panel (``clip fraction: 0``, ``learning rate: 1e-05``)."""
+    kept: list[Panel] = []
+    lines: list[str] = []
+    for panel in panels:
+        if panel.series and all(is_constant(s) for s in panel.series):
+            for s in panel.series:
+                value = next(v for v in s.values if math.isfinite(v))
+                # an extra group's curve by its key (perf/step_s), a known panel's by its title
+                name = f"{panel.title}/{s.label}" if panel.legend else panel.title
+                name += f" ({s.label})" if len(panel.series) > 1 and not panel.legend else ""
+                lines.append(f"{name}: {value:.4g}")
+        else:
+            kept.append(panel)
+    if lines:
+        kept.append(Panel(CONSTANT_TITLE, text=lines))
+    return kept
+
+
+def robust_range(values: Iterable[float], fence: float = 3.0) -> tuple[float, float] | None:
+    """The y-range of the bulk of ``values``: within ``fence`` interquartile ranges of the quartiles (Tukey's
+    fences), or None when nothing lies outside them (or there are too few values to call any an outlier)."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if len(finite) < 5:
+        return None
+    q1, q3 = _quantile(finite, 0.25), _quantile(finite, 0.75)
+    spread = (q3 - q1) or 1e-3 * max(abs(q1), abs(q3), 1e-12)
+    low, high = q1 - fence * spread, q3 + fence * spread
+    inside = [v for v in finite if low <= v <= high]
+    if len(inside) == len(finite):
+        return None
+    return min(inside), max(inside)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated between the two nearest (numpy's default)."""
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def _reward_order(keys: list[str]) -> list[str]:
@@ -244,37 +308,63 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
     return target
 
 
+COLUMN_WIDTH = 6.4  # inches per grid column: the axes, then the legend beside them
+LEGEND_ROOM = 1.45  # inches right of each axes for its legend, outside the curves
+
+
 def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3) -> None:
+    build_figure(panels, title=title, columns=columns).savefig(out, dpi=100)
+
+
+def build_figure(panels: list[Panel], *, title: str, columns: int = 3) -> Any:
+    """The dashboard as a matplotlib Figure on an Agg canvas (not yet saved)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     ncols = max(1, min(columns, len(panels)))
     nrows = math.ceil(len(panels) / ncols)
     height = 3.4 * nrows + 0.7
-    fig = Figure(figsize=(5.0 * ncols, height))
+    width = COLUMN_WIDTH * ncols
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     fig.suptitle(title, fontsize=14, fontweight="bold", y=1 - 0.15 / height, va="top")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     steps = [x for p in panels for s in p.series for x in s.steps]
-    pad = 0.02 * (max(steps) - min(steps)) or 0.5  # room for the markers on the first and last step
-    span = (min(steps) - pad, max(steps) + pad)
+    pad = 0.02 * (max(steps) - min(steps)) or 0.5 if steps else 0.5  # room for markers on the first and last step
+    span = (min(steps) - pad, max(steps) + pad) if steps else (0.0, 1.0)
     for ax, panel in zip(axes.flat, panels):
+        if panel.text:
+            _draw_text_panel(ax, panel)
+            continue
         _draw_panel(ax, panel)
         ax.set_xlim(*span)  # one step axis for every panel, so events line up down the grid
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
+    for column in range(ncols):  # under the lowest plot of each column (a text panel has no step axis)
+        plots = [axes[r][column] for r in range(nrows) if r * ncols + column < len(panels)]
+        plots = [ax for ax, r in zip(plots, range(nrows)) if not panels[r * ncols + column].text]
+        if plots:
+            plots[-1].set_xlabel("step")
     # Fixed margins rather than constrained layout: as readable for a uniform grid, and half the drawing time.
+    left, right = 0.75, LEGEND_ROOM + 0.05
+    gap = LEGEND_ROOM + 0.8  # the legend of one panel, then the tick labels of the next
+    axes_width = (width - left - right - (ncols - 1) * gap) / ncols
     fig.subplots_adjust(
-        left=0.75 / (5.0 * ncols),
-        right=1 - 0.3 / (5.0 * ncols),
+        left=left / width,
+        right=1 - right / width,
         bottom=0.55 / height,
         top=1 - 0.85 / height,
-        wspace=0.28,
+        wspace=gap / axes_width,
         hspace=0.42,
     )
-    fig.savefig(out, dpi=100)
+    return fig
+
+
+def _draw_text_panel(ax: Any, panel: Panel) -> None:
+    ax.set_title(panel.title)
+    ax.set_axis_off()
+    shown = panel.text if len(panel.text) <= 14 else [*panel.text[:13], f"... and {len(panel.text) - 13} more"]
+    ax.text(0.0, 1.0, "\n".join(shown), va="top", ha="left", family="monospace", fontsize=8, transform=ax.transAxes)
 
 
 def _draw_panel(ax: Any, panel: Panel) -> None:
@@ -295,6 +385,46 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         ax.set_yscale("log", nonpositive="mask")
     else:  # 1e-4 as "1e-4" above the axis rather than "0.000100" on every tick: keeps the labels inside the margin
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+        if panel.robust:
+            _fit_to_bulk(ax, panel)
     ax.grid(True, alpha=0.3)
     if panel.legend or len(panel.series) > 1:
-        ax.legend(fontsize=7, loc="best", ncols=2 if len(panel.series) > 6 else 1)
+        # beside the axes, never over the curves
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def _fit_to_bulk(ax: Any, panel: Panel) -> None:
+    """Fit the y-axis to the bulk of the values (:func:`robust_range`) and mark each outlier at the edge it lies
+    beyond: a triangle at its step, and the count in the corner."""
+    values = [v for s in panel.series if s.style == "line" for v in s.values]
+    bulk = robust_range(values)
+    if bulk is None:
+        return
+    low, high = bulk
+    margin = 0.08 * (high - low) or 0.05 * max(abs(high), 1e-12)
+    bottom, top = low - margin, high + margin
+    ax.set_ylim(bottom, top)
+    above = [(x, v) for s in panel.series if s.style == "line" for x, v in zip(s.steps, s.values) if v > top]
+    below = [(x, v) for s in panel.series if s.style == "line" for x, v in zip(s.steps, s.values) if v < bottom]
+    for points, edge, marker in ((above, top, "^"), (below, bottom, "v")):
+        if points:
+            ax.plot(
+                [x for x, _ in points],
+                [edge] * len(points),
+                linestyle="none",
+                marker=marker,
+                color="crimson",
+                markersize=6,
+                clip_on=False,
+            )
+    extremes = ", ".join(f"{v:.3g} at step {x:g}" for x, v in sorted(above + below, key=lambda p: -abs(p[1]))[:2])
+    ax.text(
+        0.99,
+        0.97,
+        f"{len(above) + len(below)} off the axis ({extremes})",
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=7,
+        color="crimson",
+    )

@@ -182,6 +182,7 @@ def _torch_checks() -> tuple[list[Check], list[str]]:
             {"version": torch.__version__, "cuda_build": cuda_build, "threads": torch.get_num_threads()},
         )
     )
+    checks.append(cpu_check())
     if devices:
         free_total = [torch.cuda.mem_get_info(i) for i in range(len(devices))]
         detail = "; ".join(
@@ -202,6 +203,27 @@ def _torch_checks() -> tuple[list[Check], list[str]]:
     else:
         checks.append(Check(v, "cuda", SKIPPED, "torch is a CPU build: no CUDA"))
     return checks, devices
+
+
+# What each kind of CPU means for a bf16 run (train.dtype=bfloat16 or train.precision=bf16); docs/performance.md.
+BF16_ON_CPU = {
+    "amx": "AMX: bf16 matrix products run on its tile units, the fast path for bf16 on a CPU",
+    "avx512_bf16": "no AMX, but avx512_bf16: bf16 runs, at about half the speed of an AMX CPU "
+    "(docs/performance.md#cpu-kinds)",
+    "emulated": "no AMX and no avx512_bf16: bf16 is converted to float32 for every product, slower than "
+    "float32 itself; keep train.dtype=float32 here",
+}
+
+
+def cpu_check() -> Check:
+    """The CPU's name and kind (AMX or not): it decides what bf16 costs, and bf16 results differ in their last bits
+    from one kind to another, so a bf16 run's figures hold for its kind of CPU."""
+    from palestra.kernels.build import cpu_bf16_kind, cpu_model
+
+    kind, model = cpu_bf16_kind(), cpu_model()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    detail = f"{model}, {cores} cores; {BF16_ON_CPU[kind]}"
+    return Check("versions", "cpu", OK, detail, {"model": model, "cores": cores, "bf16": kind})
 
 
 def _triton_check(devices: list[str]) -> Check:

@@ -170,6 +170,8 @@ class TrainConfig:
     temperature: float = option(1.0, ge=0)
     top_p: float = option(1.0, gt=0, le=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # CPU threads for torch; null: OMP_NUM_THREADS if set, else the cores found idle when the run starts (printed)
+    threads: int | None = option(None, ge=1)
     device: str = "auto"  # auto: cuda if available, else cpu; cuda, cuda:<n>, mps (whether they exist: preflight)
     log_every: int = option(1, ge=1)
     eval_every: int = option(0, ge=0)  # held-out evaluation every N steps (0: only before and after training)

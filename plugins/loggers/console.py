@@ -11,9 +11,12 @@ writes one plain line every ``every`` steps instead: ``step 40/200 (20%) 1.3s/st
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,8 @@ from typing import IO, Any, Literal
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options, option
+
+RATE_WINDOW = 20  # logged intervals whose median is the step time behind s/step and the ETA
 
 DEFAULT_KEYS = [
     "reward/mean",
@@ -115,7 +120,9 @@ class ConsoleLogger:
         self.total: int | None = None
         self._stream: IO[str] | None = None
         self._bar: Any = None  # tqdm.tqdm when drawing a bar
-        self._first: tuple[int, float] | None = None  # (step, monotonic time) of the first log call
+        # (step, monotonic time) of the recent log calls: the rate is their median step time, so a slow start
+        # (a kernel build, a model's first compile) neither inflates the ETA for the rest of the run nor hides in it.
+        self._seen: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW + 1)
         self._last_line_step: int | None = None
         self._pending: tuple[int, Mapping[str, Any]] | None = None  # the latest log not yet written as a line
 
@@ -124,7 +131,8 @@ class ConsoleLogger:
         steps = train.get("steps") if isinstance(train, Mapping) else None
         self.total = int(steps) if isinstance(steps, int) and steps > 0 else None
         self._stream = sys.stderr  # looked up now, not at import, so redirections made before the run are honoured
-        self._first = self._last_line_step = self._pending = None
+        self._seen.clear()
+        self._last_line_step = self._pending = None
         mode = self.options.mode
         use_bar = mode == "bar" or (mode == "auto" and _isatty(self._stream))
         if use_bar:
@@ -146,8 +154,8 @@ class ConsoleLogger:
             else:
                 self._bar.refresh()
             return
-        if self._first is None:
-            self._first = (step, time.monotonic())
+        if not self._seen or step > self._seen[-1][0]:
+            self._seen.append((step, time.monotonic()))
         due = (
             self._last_line_step is None
             or step // self.options.every != self._last_line_step // self.options.every  # crossed a multiple of every
@@ -168,14 +176,20 @@ class ConsoleLogger:
             self._stream.flush()
         self._stream = None
 
+    def step_time(self) -> float | None:
+        """Seconds per step: the median over the last ``RATE_WINDOW`` logged intervals (None before two logs)."""
+        seen = list(self._seen)
+        rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(seen) if s1 > s0]
+        return statistics.median(rates) if rates else None
+
     def _write_line(self, step: int, metrics: Mapping[str, Any]) -> None:
         assert self._stream is not None
         head = f"step {step}"
         if self.total is not None:
             head += f"/{self.total} ({100 * step / self.total:.0f}%)"
-        # The rate is measured from the first logged step on, so a resumed run does not count the steps it skipped.
-        if self._first is not None and step > self._first[0]:
-            per_step = (time.monotonic() - self._first[1]) / (step - self._first[0])
+        # Only steps this process ran count: a resumed run does not count the steps it skipped.
+        per_step = self.step_time()
+        if per_step is not None:
             head += f" {per_step:.3g}s/step"
             if self.total is not None and step < self.total:
                 head += f" eta {format_duration(per_step * (self.total - step))}"

@@ -95,7 +95,6 @@ def test_plan_panels_groups_the_metrics_that_exist() -> None:
         "reward",
         "policy entropy",
         "KL to reference",
-        "clip fraction",
         "value loss",
         "explained variance",
         "grad norm",
@@ -103,9 +102,8 @@ def test_plan_panels_groups_the_metrics_that_exist() -> None:
         "response length",
         "tokens/s",
         "loss",
-        "learning rate",
-        "eval",  # eval/<component>, an extra group
-        "perf",  # perf/step_s, an extra group
+        "eval",  # eval/<component>, an extra group (its points are never folded)
+        "constants",  # clip fraction, learning rate and perf/step_s never changed: one line each
     ]
     by_title = {p.title: p for p in panels}
     reward = by_title["reward"]
@@ -120,7 +118,8 @@ def test_plan_panels_groups_the_metrics_that_exist() -> None:
     assert reward.series[4].steps == [4.0, 8.0, 12.0] and reward.series[4].values == pytest.approx([1 / 3, 2 / 3, 1.0])
     assert [s.label for s in by_title["policy entropy"].series] == ["entropy", "responder"]  # a per-agent variant joins
     assert [s.label for s in by_title["tokens/s"].series] == ["tokens_per_s", "gen_tokens_per_s"]
-    assert [s.label for s in by_title["perf"].series] == ["step_s"]
+    assert by_title["constants"].text == ["clip fraction: 0.1", "learning rate: 0.0001", "perf/step_s: 0.5"]
+    assert by_title["grad norm"].robust and by_title["tokens/s"].robust and not by_title["reward"].robust
     assert by_title["update ratio"].log_y and not by_title["grad norm"].log_y
     assert [(s.label, s.style) for s in by_title["eval"].series] == [("format", "points")] and by_title["eval"].legend
     ev = by_title["explained variance"].series[0]
@@ -131,7 +130,7 @@ def test_plan_panels_skips_groups_without_data() -> None:
     panels = plan_panels(
         [
             {"step": 1, "reward/mean": 0.5, "agent/responder/reward": 0.25, "x": math.nan},
-            {"step": 2, "reward/mean": 0.75},
+            {"step": 2, "reward/mean": 0.75, "agent/responder/reward": 0.5},
         ]
     )
     assert [p.title for p in panels] == ["reward", "agent"]
@@ -152,10 +151,10 @@ def test_plot_dashboard_writes_a_png_grid_into_the_run_dir(tmp_path: Path) -> No
     out = plot_dashboard(run)
     assert out == run / "dashboard.png"
     width, height = png_size(out)
-    # 14 panels in 3 columns of 5 inches at 100 dpi: 1500 pixels wide, 5 rows tall
-    assert width == 1500 and height > 5 * 300 and out.stat().st_size > 20_000
+    # 12 panels in 3 columns of 6.4 inches (the axes and their legend) at 100 dpi: 1920 pixels wide, 4 rows tall
+    assert width == 1920 and height > 4 * 300 and out.stat().st_size > 20_000
     custom = plot_dashboard(run, tmp_path / "elsewhere" / "d.png", columns=2)
-    assert png_size(custom)[0] == 1000
+    assert png_size(custom)[0] == 1280
 
 
 def test_plot_dashboard_refuses_a_file_without_numbers(tmp_path: Path) -> None:
@@ -177,7 +176,7 @@ def test_palestra_plot_writes_the_png_and_prints_its_path(tmp_path: Path) -> Non
     out = tmp_path / "figs" / "dash.png"
     done = palestra("plot", str(run), "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(out) and png_size(out)[0] == 1500
+    assert done.stdout.strip() == str(out) and png_size(out)[0] == 1920
 
 
 def test_palestra_plot_errors_name_the_path(tmp_path: Path) -> None:

@@ -52,6 +52,9 @@ def test_broken_cpp_source_falls_back_with_one_warning_and_forced_backend_raises
     env = {**os.environ, "PALESTRA_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    # a first build says so before it starts (it can take a minute), and a failed one claims no success
+    assert "palestra: building the C++ kernels (palestra_cpu; first run only)..." in done.stderr
+    assert "palestra: built the C++ kernels" not in done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["warnings"]) == 1, result["warnings"]
     warning = result["warnings"][0]
