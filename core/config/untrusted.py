@@ -132,7 +132,8 @@ def _walk_fields(obj: Any, path: str, root: Path) -> Iterator[Claim]:
     for f in dataclasses.fields(obj):
         if not f.init:
             continue
-        key, value, meta = _join(path, f.name), getattr(obj, f.name), f.metadata or {}
+        key, value = _join(path, f.name), getattr(obj, f.name)
+        meta: Mapping[str, Any] = f.metadata or {}
         if isinstance(obj, ComponentSpec) and f.name == "name":
             yield Claim(key, value, "name", _plugin_problem(obj))
         elif meta.get("runs_code") or f.name == CODE_OPTION:

@@ -809,7 +809,8 @@ def base_fingerprint(policy: Any) -> str | None:
         return None
     trained = set(policy.adapter_state_dict())
     h = hashlib.sha256()
-    for name, value in sorted(policy.state_dict().items()):
+    weights = policy.state_dict() if isinstance(policy, torch.nn.Module) else {}
+    for name, value in sorted(weights.items()):
         if name in trained or not isinstance(value, torch.Tensor):
             continue
         h.update(f"{name}|{value.dtype}|{tuple(value.shape)};".encode())
