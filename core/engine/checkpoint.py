@@ -807,12 +807,14 @@ def base_fingerprint(policy: Any) -> str | None:
     through it (the first and last included). Deterministic, reads no file, changes no random state."""
     if not isinstance(policy, AdapterPolicy):
         return None
-    trained = set(policy.adapter_state_dict())
+    # By storage, not name: a policy may reach one tensor under two names (an adapter through an alias of its layers)
+    seen = {v.data_ptr() for v in policy.adapter_state_dict().values() if isinstance(v, torch.Tensor)}
     h = hashlib.sha256()
     weights = policy.state_dict() if isinstance(policy, torch.nn.Module) else {}
     for name, value in sorted(weights.items()):
-        if name in trained or not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.data_ptr() in seen:
             continue
+        seen.add(value.data_ptr())
         h.update(f"{name}|{value.dtype}|{tuple(value.shape)};".encode())
         flat = value.detach().reshape(-1)
         n = flat.numel()
