@@ -23,7 +23,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "write the base model plus the peft adapter; a note when the policy has no adapters",
     )
     parser.add_argument("--force", action="store_true", help="replace an --out folder that already holds files")
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="a value the checkpoint's config cannot vouch for, passed again (a path outside the run folder, "
+        "trust_remote_code, a plugin that is not built in); repeatable",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     check_run_dir(run_dir)
     check_out_dir(out, force=args.force, run_dir=run_dir)
     path, state = pick_checkpoint(run_dir, args.checkpoint)
-    config = export_config(state, path)
+    command = ["palestra", "export", str(run_dir), "--out", str(out)]
+    command += ["--checkpoint", args.checkpoint] if args.checkpoint is not None else []
+    config = export_config(state, path, run_dir=run_dir, overrides=args.overrides, command=command)
     policy = load_policy(config, run_dir, state, path)
     merge = True if args.merge_lora is None else args.merge_lora
     if args.merge_lora is not None and not any(has_adapters(m) for m in export_targets(policy).values()):
@@ -133,7 +144,8 @@ def is_export_of(out: Path, run_id: str) -> bool:
 
 def pick_checkpoint(run_dir: Path, named: str | None) -> tuple[Path, dict[str, Any]]:
     """``(path, state)``: ``named`` (as given, else relative to ``run_dir``) or the run's newest intact checkpoint,
-    loaded with ``weights_only=True`` and verified (nothing in it runs)."""
+    loaded with ``weights_only=True`` and verified (nothing in it runs). A named checkpoint must be the run's own:
+    another run's is refused (the export would carry this run's name)."""
     from palestra.engine import checkpoint as ckpt
 
     if named is not None:
@@ -142,7 +154,9 @@ def pick_checkpoint(run_dir: Path, named: str | None) -> tuple[Path, dict[str, A
             path = run_dir / named
         if not path.is_file():
             raise ExportError(f"--checkpoint: {named!r} is not a file (looked as given and inside {run_dir})")
-        return path, ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path)
+        _check_own_checkpoint(run_dir, path, state)
+        return path, state
     if not ckpt.list_step_checkpoints(run_dir) and not (run_dir / ckpt.FINAL_NAME).is_file():
         raise ExportError(
             f"RUN_DIR: {str(run_dir)!r} holds no checkpoint ({ckpt.FINAL_NAME} or "
@@ -156,19 +170,64 @@ def pick_checkpoint(run_dir: Path, named: str | None) -> tuple[Path, dict[str, A
     return point.path, point.state
 
 
-def export_config(state: dict[str, Any], path: Path) -> Config:
+def _check_own_checkpoint(run_dir: Path, path: Path, state: dict[str, Any]) -> None:
+    """One line when ``--checkpoint`` names another run's checkpoint: its run id is not the one in RUN_DIR's
+    ``run.json`` (or, without one, it lies outside RUN_DIR). The line says how to export it as its own run."""
+    from palestra.engine import checkpoint as ckpt
+
+    owner, theirs = ckpt.read_run_id(run_dir), state.get("run_id")
+    if owner is not None and (theirs is None or theirs == owner):
+        return
+    if owner is None and run_dir.resolve() in path.resolve().parents:
+        return
+    home = path.parent.parent if path.parent.name == ckpt.CHECKPOINT_DIR else path.parent
+    whose = f"of run {theirs}" if isinstance(theirs, str) else "of no recorded run"
+    mine = f"run {owner}" if owner is not None else f"a folder without {ckpt.RUN_FILE}, and it lies outside it"
+    raise ExportError(
+        f"--checkpoint: {str(path)!r} is a checkpoint {whose}, not of {run_dir} ({mine}); export it from its own "
+        f"run: palestra export {home} --out DIR --checkpoint {path}"
+    )
+
+
+def export_config(
+    state: dict[str, Any], path: Path, *, run_dir: Path, overrides: Sequence[str] = (), command: Sequence[str] = ()
+) -> Config:
     """The run's config from its checkpoint, set up to rebuild the policy here: on the CPU (the export computes
-    nothing, and the run's GPU may not be this machine's) and without loggers (nothing is logged)."""
+    nothing, and the run's GPU may not be this machine's), without loggers (nothing is logged) and without
+    ``train.export`` (this command writes ``--out``).
+
+    The saved config is the run folder's data, not the user's word (:mod:`palestra.config.untrusted`): a value that
+    would run code or reach outside ``run_dir`` is refused in one line unless ``--set KEY=VALUE`` (``overrides``)
+    passes it again; ``command`` is this command line, for that line to repeat."""
+    from palestra.config import _set_path, parse_override
+    from palestra.config.loading import _format_path
+    from palestra.config.untrusted import check_given, follow_folder, refuse_untrusted
+
     raw = state.get("config")
     if not isinstance(raw, dict):
         raise ExportError(f"checkpoint {path} holds no config; it was not written by palestra train")
-    raw = copy.deepcopy(raw)
-    raw.setdefault("train", {})["device"] = "cpu"
+    raw = follow_folder(copy.deepcopy(raw), run_dir)
+    train = raw.setdefault("train", {})
+    if isinstance(train, dict):
+        train.update(device="cpu", export=False, export_dir=None)
     raw["loggers"] = []
+    parsed = [parse_override(item) for item in overrides]
+    given = {_format_path(keys): value for keys, value in parsed}
     try:
-        return validate_config(raw)
+        saved = validate_config(copy.deepcopy(raw))
     except ConfigError as e:
         raise ConfigError(f"the config saved in {path} no longer validates: {e}") from None
+    if given and (bad := check_given(saved, run_dir, given)) is not None:
+        key, why = bad
+        raise ConfigError(
+            f"--set {key}: {why or 'export takes only the values a checkpoint cannot vouch for'} "
+            "(a path outside the run folder, trust_remote_code, a plugin that is not built in)"
+        )
+    for keys, value in parsed:
+        _set_path(raw, keys, value)
+    config = validate_config(raw) if given else saved
+    refuse_untrusted(config, run_dir, given, source=path, command=list(command), flag="--set")
+    return config
 
 
 def load_policy(config: Config, run_dir: Path, state: dict[str, Any], path: Path) -> Any:

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -62,31 +62,55 @@ RESUMABLE_KEYS = (
 
 def resume_config(run_dir: str, overrides: list[str]) -> tuple[Config, ResumePoint]:
     """The config saved in ``run_dir``'s newest intact checkpoint with the allowed overrides applied, and that
-    checkpoint (loaded with ``weights_only=True`` and verified, so nothing in it runs)."""
+    checkpoint (loaded with ``weights_only=True`` and verified, so nothing in it runs).
+
+    The saved config is the run folder's data, not the user's word (:mod:`palestra.config.untrusted`): a value in it
+    that would run code or reach outside the folder is refused in one line unless an override passes it again, and
+    ``run.name`` / ``run.output_dir`` follow the folder resumed (a copied run is the copy)."""
     from palestra.config import _set_path
+    from palestra.config.loading import _format_path
+    from palestra.config.untrusted import follow_folder, refuse_untrusted
     from palestra.engine.checkpoint import CheckpointError, resume_point
 
     point = resume_point(run_dir)
     raw = point.state.get("config")
     if not isinstance(raw, dict):
         raise CheckpointError(f"checkpoint {point.path} holds no config (a dict); it was not written by palestra train")
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        keys, value = parse_override(item)
-        dotted = ".".join(str(k) for k in keys)
-        if dotted not in RESUMABLE_KEYS:
-            raise ConfigError(
-                f"{dotted}: cannot be changed with --resume (the run continues with its saved config); "
-                f"allowed: {', '.join(RESUMABLE_KEYS)}"
-            )
+    raw = follow_folder(copy.deepcopy(raw), Path(run_dir))
+    parsed = [parse_override(item) for item in overrides]
+    given = {_format_path(keys): value for keys, value in parsed}
+    _check_resume_keys(raw, Path(run_dir), given)
+    for keys, value in parsed:
         _set_path(raw, keys, value)
     config = validate_config(raw)
+    refuse_untrusted(
+        config, Path(run_dir), given, source=point.path, command=["palestra", "train", "--resume", run_dir, *overrides]
+    )
     if config.train.steps < point.step:
         raise ConfigError(
             f"train.steps: {config.train.steps} is below step {point.step} of {point.path}; a resumed run "
             f"cannot be shortened (pass train.steps={point.step} or more)"
         )
     return config, point
+
+
+def _check_resume_keys(raw: dict[str, Any], run_dir: Path, given: dict[str, Any]) -> None:
+    """One line for an override ``--resume`` does not take: a key outside :data:`RESUMABLE_KEYS` that is not one the
+    saved config cannot vouch for (a path, trust_remote_code, a plugin's name, passed again)."""
+    from palestra.config.untrusted import check_given
+
+    others = {key: value for key, value in given.items() if key not in RESUMABLE_KEYS}
+    if not others:
+        return
+    bad = check_given(validate_config(copy.deepcopy(raw)), run_dir, others)
+    if bad is None:
+        return
+    key, why = bad
+    raise ConfigError(
+        f"{key}: cannot be changed with --resume ({why or 'the run continues with its saved config'}); "
+        f"allowed: {', '.join(RESUMABLE_KEYS)}, and passing again a path, trust_remote_code or plugin name "
+        "the saved config holds"
+    )
 
 
 def summary(config: Config) -> list[str]:

@@ -20,12 +20,21 @@ def option(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    path: str | None = None,
+    runs_code: bool = False,
 ) -> Any:
-    """A dataclass field with bounds checked at validation (``None`` values skip the bounds)."""
+    """A dataclass field with bounds checked at validation (``None`` values skip the bounds).
+
+    ``path`` declares a file or folder option and what a relative value is relative to: ``"cwd"`` (the working
+    directory), ``"run"`` (the run folder) or the name of another path option of the same dataclass (a file in
+    that folder). ``runs_code`` declares an option that, set, runs code shipped with its data (transformers'
+    ``trust_remote_code``). A config read back from a checkpoint uses neither kind of value when it reaches
+    outside the run folder unless the user passes it again (:mod:`palestra.config.untrusted`)."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    metadata = {"bounds": bounds, "path": path, "runs_code": runs_code}
     if default_factory is not MISSING:
-        return field(default_factory=default_factory, metadata={"bounds": bounds})
-    return field(default=default, metadata={"bounds": bounds})
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -194,7 +203,7 @@ class TrainConfig:
     max_bad_steps: int = option(3, ge=1)  # non-finite loss or reward: skip the step; this many in a row abort
     # When training ends, write the policy as a transformers folder: what `palestra export` writes (docs/export.md).
     export: bool = False
-    export_dir: str | None = None  # where; null: <run directory>/export
+    export_dir: str | None = option(None, path="cwd")  # where; null: <run directory>/export
     export_merge_lora: bool = True  # a LoRA policy: adapters merged into the weights, or (false) base + peft adapter
 
     def __post_init__(self) -> None:

@@ -51,7 +51,7 @@ RESERVED_METADATA = ("answer", "row")
 
 @dataclass
 class DatasetOptions:
-    path: str = ""  # a .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder (required)
+    path: str = option("", path="cwd")  # a .jsonl, .csv or .parquet file, or a datasets.save_to_disk folder (required)
     format: Literal["auto", "jsonl", "csv", "parquet", "disk"] = "auto"  # auto: from the extension (a folder: disk)
     data_split: str = "train"  # a folder holding a DatasetDict: which of its splits to read
     prompt_column: str = "question"  # the prompt text (unless template or messages_column is given)
@@ -64,7 +64,9 @@ class DatasetOptions:
         0.1, ge=0, lt=1
     )  # the share of path's rows held out (when eval_size and eval_path are not set)
     eval_size: int | None = option(None, ge=0)  # instead: this many rows held out
-    eval_path: str | None = None  # instead: this file (same format rules) is the held-out split; path is all training
+    eval_path: str | None = option(
+        None, path="cwd"
+    )  # instead: this file (same format rules) is the held-out split; path is all training
     split_seed: int = 0  # which rows are held out (the same for every run seed, so runs compare on the same rows)
     split: Literal["train", "eval"] = "train"  # which rows reset() draws
     stop: list[str] = field(default_factory=list)  # stop strings for every completion, e.g. ["</answer>"]

@@ -22,7 +22,7 @@ INSTALL_HINT = 'pip install "palestra[tensorboard]"'
 
 @dataclass
 class TensorBoardOptions:
-    log_dir: str = "tensorboard"  # relative to the run directory (or an absolute path)
+    log_dir: str = option("tensorboard", path="run")  # relative to the run directory (or an absolute path)
     flush_secs: int = option(30, ge=1)  # how often the writer flushes pending events to disk
 
     def __post_init__(self) -> None:

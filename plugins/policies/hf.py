@@ -74,18 +74,17 @@ class LoraOptions:
 @dataclass
 class HFOptions:
     # a local folder holding a transformers causal LM (or a .gguf file), or package:NAME (an installed package's folder)
-    path: str
-    gguf_file: str | None = (
-        None  # a .gguf file in `path` (or an absolute path): config, weights and tokenizer from it, dequantised
-    )
-    tokenizer_path: str | None = (
-        None  # a folder holding the tokenizer (or package:NAME); null: the model's folder (or GGUF file)
-    )
+    path: str = option(path="cwd")
+    # a .gguf file in `path` (or an absolute path): config, weights and tokenizer from it, dequantised
+    gguf_file: str | None = option(None, path="path")
+    # a folder holding the tokenizer (or package:NAME); null: the model's folder (or GGUF file)
+    tokenizer_path: str | None = option(None, path="cwd")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = (
         "auto"  # auto: the dtype the checkpoint was saved in (float32 for GGUF)
     )
     chat_template: Literal["auto", "on", "off"] = "auto"  # auto: apply the tokenizer's template when it has one
-    trust_remote_code: bool = False  # run modelling code shipped inside the folder (only for folders you trust)
+    # run modelling code shipped inside the folder (only for folders you trust)
+    trust_remote_code: bool = option(False, runs_code=True)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (transformers' own switch)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # transformers' attention, for every forward
     # The attention while sampling with the KV cache, when it should differ; null: attn_implementation. On a CPU,

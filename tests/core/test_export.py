@@ -283,7 +283,7 @@ def hf_run(tmp: Path, llama_dir: Path, name: str, *overrides: str) -> Trainer:
 def test_hf_policy_exports_with_the_trained_logits(llama_dir: Path, tmp_path: Path) -> None:
     trainer = hf_run(tmp_path, llama_dir, "hf")
     out = tmp_path / "export"
-    assert export(trainer.run_dir, "--out", out) == 0
+    assert export(trainer.run_dir, "--out", out, "--set", f"policy.options.path={llama_dir}") == 0
     ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out).encode(TEXT)])
     base = hf_logits(llama_dir, ids)
     trained = policy_logits(trainer.policy.eval(), ids)
@@ -296,7 +296,8 @@ def test_lora_policy_exports_with_the_trained_logits(llama_dir: Path, tmp_path: 
     pytest.importorskip("peft", reason="LoRA runs need peft")
     trainer = hf_run(tmp_path, llama_dir, "lora", "policy.options.lora={r: 4, alpha: 8}")
     out = tmp_path / "export"
-    assert export(trainer.run_dir, "--out", out, "--merge-lora" if merge else "--no-merge-lora") == 0
+    again = ("--set", f"policy.options.path={llama_dir}")  # the model folder lies outside the run folder
+    assert export(trainer.run_dir, "--out", out, "--merge-lora" if merge else "--no-merge-lora", *again) == 0
     record = json.loads((out / "palestra_export.json").read_text())
     assert record["adapters"] is True and record["merge_lora"] is merge
     assert (out / "adapter_config.json").is_file() is not merge

@@ -57,10 +57,11 @@ def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def killed_and_resumed(
-    config: Path, tmp_path: Path, *, steps: int, save_every: int, timeout: float = 120
+    config: Path, tmp_path: Path, *, steps: int, save_every: int, timeout: float = 120, again: tuple[str, ...] = ()
 ) -> tuple[Path, Path]:
     """Run ``config`` twice (in ``tmp_path/a`` and ``tmp_path/b``); SIGKILL the second once its second step
-    checkpoint exists and resume it to ``steps``. Returns the two run directories, both finished."""
+    checkpoint exists and resume it to ``steps`` (``again``: the saved values the resume passes again, such as a
+    model folder outside the run). Returns the two run directories, both finished."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     whole = palestra(["--config", str(config)], tmp_path / "a")
@@ -76,7 +77,7 @@ def killed_and_resumed(
     assert not (run_b / ckpt.FINAL_NAME).exists(), "the run finished before the kill; nothing was resumed"
     finish(whole, timeout=timeout)
 
-    resumed = palestra(["--resume", str(run_b), f"train.steps={steps}"], tmp_path / "b")
+    resumed = palestra(["--resume", str(run_b), f"train.steps={steps}", *again], tmp_path / "b")
     out, err = resumed.communicate(timeout=timeout)
     assert resumed.returncode == 0, err[-3000:]
     assert f"resuming {run_b}" in out

@@ -49,7 +49,10 @@ def test_a_lora_run_killed_mid_training_resumes_to_the_same_adapters_bitwise(
         sections=lora_sections(model_dir), steps=STEPS, batch_size=2, lr=1e-2, eval_size=2, save_every=SAVE_EVERY
     )
     config.write_text(yaml.safe_dump(raw))
-    run_a, run_b = killed_and_resumed(config, tmp_path, steps=STEPS, save_every=SAVE_EVERY, timeout=180)
+    # the model folder lies outside the run: a resume uses it only when the user names it again
+    run_a, run_b = killed_and_resumed(
+        config, tmp_path, steps=STEPS, save_every=SAVE_EVERY, timeout=180, again=(f"policy.options.path={model_dir}",)
+    )
 
     a = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME)  # weights_only, checksum verified
     b = ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
