@@ -288,6 +288,7 @@ def _start(
             # a live run is named before its checkpoint is read (it may be replaced meanwhile) or its log cut
             if locks:
                 RunLock.check_free(ckpt.existing_run_dir(resume), key=None)
+            ckpt.check_run_folder(resume)  # a link in it: refused before a checkpoint is read through it
             config, point = resume_config(resume, args.overrides)
             run_dir = Path(resume)
             check_writable_folder(run_dir, f"--resume {str(run_dir)!r}")  # its own line, before the lock file

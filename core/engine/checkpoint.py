@@ -507,8 +507,7 @@ def resume_point(run_dir: str | Path) -> ResumePoint:
 
 
 def existing_run_dir(run_dir: str | Path) -> Path:
-    """``run_dir`` if it is a directory; one line otherwise (a checkpoint file is answered with its run directory,
-    a link in the folder with :class:`RunFolderLink`: a resumed run would write through it)."""
+    """``run_dir`` if it is a directory; one line otherwise (a checkpoint file is answered with its run directory)."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         owner = run_dir.parent.parent if run_dir.parent.name == CHECKPOINT_DIR else run_dir.parent
@@ -518,9 +517,6 @@ def existing_run_dir(run_dir: str | Path) -> Path:
         )
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--resume: run directory {str(run_dir)!r} does not exist")
-    links = [p for p in find_links(run_dir) if p.name != LOCK_NAME]  # the lock's own answer names a .lock link
-    if links:
-        raise RunFolderLink(link_message(links[0]))
     return run_dir
 
 
@@ -708,8 +704,9 @@ def _shown(names: list[str]) -> str:
 
 def check_run_folder(run_dir: str | Path) -> None:
     """Refuse (:class:`RunFolderLink`, one line) a link directly in ``run_dir`` or in its ``checkpoints/``: Palestra
-    never makes one there, and a run that wrote through one would write (or cut, or delete) outside its folder."""
-    links = find_links(run_dir, (CHECKPOINT_DIR,))
+    never makes one there, and a run that wrote through one would write (or cut, or delete) outside its folder.
+    (A ``.lock`` link is left to :class:`~palestra.engine.run_lock.RunLock`, whose own line names it.)"""
+    links = [p for p in find_links(run_dir, (CHECKPOINT_DIR,)) if p.name != LOCK_NAME or p.parent != Path(run_dir)]
     if links:
         raise RunFolderLink(link_message(links[0]))
 
