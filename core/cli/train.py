@@ -312,6 +312,7 @@ def _start(
             # a live run is named before its checkpoint is read (it may be replaced meanwhile) or its log cut
             if locks:
                 RunLock.check_free(ckpt.existing_run_dir(resume), key=None)
+            ckpt.check_run_folder(resume)  # a link in it: refused before a checkpoint is read through it
             config, point = resume_config(resume, args.overrides)
             run_dir = Path(resume)
             check_writable_folder(run_dir, f"--resume {str(run_dir)!r}")  # its own line, before the lock file
@@ -324,9 +325,10 @@ def _start(
             check_output_dir(config.run.output_dir, config.run.name)  # its own line, before the lock's mkdir
             if locks:  # rank 0 alone: another rank probing would find rank 0's own lock
                 RunLock.check_free(run_dir)
-            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+            own = ckpt.run_files(config, run_dir)  # the files this config's loggers and export write there
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
             lock = RunLock.acquire(run_dir) if locks else None
-            ckpt.check_new_run_dir(run_dir, overwrite=overwrite)
+            ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
         trainer = _build(args, config, run_dir, point, overwrite)
     except BaseException:
         if lock is not None:
@@ -361,10 +363,11 @@ def _build(
         # Rank 0 alone touches the directory, and only now: under torchrun the other ranks have checked it (above)
         # before the process group formed, so none of them sees this run's own files as another run's.
         if trainer.dist.is_main:
+            own = ckpt.run_files(config, run_dir)  # the loggers' files (any name) and the export: only these go
             if overwrite:
-                ckpt.clear_run_dir(run_dir, keep=Path(args.config) if args.config else None)
+                ckpt.clear_run_dir(run_dir, keep=Path(args.config) if args.config else None, own=own)
             elif point is None:  # what an earlier start that saved no checkpoint left (check_new_run_dir let it)
-                ckpt.clear_unsaved_run(run_dir)
+                ckpt.clear_unsaved_run(run_dir, own)
             if point is None or ckpt.read_run_id(run_dir) is None:
                 ckpt.write_run_file(run_dir, trainer.run_id, config.run.name)
     except BaseException:

@@ -48,6 +48,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -59,11 +60,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from palestra.engine.run_folder import (
+    RunFolderLink,
+    find_links,
+    link_message,
+    lstat_in,
+    open_in,
+    plain_relative,
+    remove_file,
+    unlink_entry,
+    walk_names,
+)
 from palestra.engine.run_lock import LOCK_NAME, pid_alive
 from palestra.types import AdapterPolicy, FileLogger, Stateful
 
 if TYPE_CHECKING:
-    from palestra.config import RunComponents
+    from palestra.config import Config, RunComponents
     from palestra.engine.learner import Learner
 
 __all__ = [
@@ -77,9 +89,12 @@ __all__ = [
     "Restored",
     "ResumePoint",
     "RunDirError",
+    "RunFolderLink",
     "capture_rng",
     "capture_state",
+    "check_log_keys",
     "check_new_run_dir",
+    "check_run_folder",
     "clear_run_dir",
     "content_digest",
     "find_resume_checkpoint",
@@ -89,6 +104,7 @@ __all__ = [
     "restore_rng",
     "restore_state",
     "resume_point",
+    "run_files",
     "save_checkpoint",
     "save_step_checkpoint",
     "write_atomic",
@@ -235,41 +251,52 @@ def step_name(step: int) -> str:
 
 
 def list_step_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every step checkpoint file in ``RUN_DIR/checkpoints``, oldest first."""
+    """``(step, path)`` of every step checkpoint file in ``RUN_DIR/checkpoints``, oldest first (none when
+    ``checkpoints`` is a link: nothing is listed, read or deleted through it; a step file that is a link is listed,
+    for :func:`_candidate_paths` to say where it leads)."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return []
     out = []
-    for p in folder.iterdir():
-        m = _STEP_FILE.match(p.name)
-        if m and p.is_file():
-            out.append((int(m.group(1)), p))
+    for name, st in walk_names(folder):
+        m = _STEP_FILE.match(name)
+        if m and (stat.S_ISREG(st.st_mode) or (stat.S_ISLNK(st.st_mode) and (folder / name).is_file())):
+            out.append((int(m.group(1)), folder / name))
     return sorted(out)
 
 
 def save_step_checkpoint(run_dir: str | Path, state: Mapping[str, Any], step: int, keep: int) -> Path:
     """Write ``checkpoints/step-NNNNNN.pt`` and point ``latest`` at it.
 
-    Keeps the newest ``keep`` step checkpoints and clears stale temporaries.
+    Keeps the newest ``keep`` step checkpoints and clears stale temporaries: only regular files in the real
+    ``checkpoints`` folder are deleted, never through a link (a ``checkpoints`` link, to another run's folder say,
+    is refused before anything is written).
     """
     folder = Path(run_dir) / CHECKPOINT_DIR
+    if folder.is_symlink():
+        raise RunFolderLink(link_message(folder))
     path = save_checkpoint(state, folder / step_name(step))
     write_atomic(folder / LATEST, lambda tmp: tmp.write_text(path.name + "\n", encoding="utf-8"))
-    for _, old in list_step_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+    steps = sorted(
+        (int(m.group(1)), name)
+        for name, st in walk_names(folder)
+        if (m := _STEP_FILE.match(name)) and stat.S_ISREG(st.st_mode)
+    )
+    for _, name in steps[:-keep]:
+        unlink_entry(folder, name)
     sweep_stale_temporaries(folder)
     return path
 
 
 def sweep_stale_temporaries(folder: Path) -> None:
     """Delete the ``.NAME.PID.tmp`` files in ``folder`` left by processes killed mid-write; a live process's
-    temporary (another writer's, or ours) is left alone."""
-    for stale in folder.glob(".*.tmp"):
-        pid = stale.name.rsplit(".", 2)[-2] if stale.name.count(".") >= 3 else ""
+    temporary (another writer's, or ours) is left alone, and nothing is deleted when ``folder`` is a link."""
+    for name, st in walk_names(folder):
+        if not (name.startswith(".") and name.endswith(".tmp")):
+            continue
+        pid = name.rsplit(".", 2)[-2] if name.count(".") >= 3 else ""
         if pid.isdigit() and pid_alive(int(pid)):
             continue
-        if stale.is_file() or stale.is_symlink():
-            stale.unlink(missing_ok=True)
+        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):  # a link is removed itself, never followed
+            unlink_entry(folder, name)
 
 
 # ---- the checksum --------------------------------------------------------------------------------------
@@ -494,10 +521,13 @@ def existing_run_dir(run_dir: str | Path) -> Path:
 
 
 def _candidate_paths(run_dir: Path) -> list[Path]:
-    """``checkpoint.pt`` and every step file, inside ``run_dir`` (a link out of it is skipped with a warning)."""
+    """``checkpoint.pt`` and every step file, inside ``run_dir`` (a step file linking out of it is skipped with a
+    warning; a ``checkpoints`` link is refused: resume would write its new step files there)."""
+    if (run_dir / CHECKPOINT_DIR).is_symlink():
+        raise RunFolderLink(link_message(run_dir / CHECKPOINT_DIR))
     _check_latest(run_dir)
     paths = [p for _, p in list_step_checkpoints(run_dir)]
-    if (run_dir / FINAL_NAME).is_file():
+    if stat.S_ISREG(getattr(lstat_in(run_dir, FINAL_NAME), "st_mode", 0)):
         paths.append(run_dir / FINAL_NAME)
     inside = []
     root = run_dir.resolve()
@@ -545,25 +575,82 @@ def _peek(path: Path) -> _Header:
 # ---- the run directory ---------------------------------------------------------------------------------
 # What makes a directory hold a run: palestra train refuses to start a new one over these without --overwrite.
 RUN_MARKERS = (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR, "metrics.jsonl")
+# Every name Palestra itself writes directly in a run folder, and who writes it: this module (run.json, the
+# checkpoints), run_lock (.lock), the jsonl logger (metrics.jsonl by default), palestra train's dashboard
+# (palestra.cli.dashboard.DASHBOARD_FILE) and train.export (export/ by default), the tensorboard and wandb loggers
+# (their default folders), and TensorBoard event files (a tensorboard log_dir of "."). A logger file or export
+# folder named in the config is the config's (:func:`run_files`). --overwrite deletes these and nothing else.
+RUN_NAMES = (
+    *RUN_MARKERS,
+    LOCK_NAME,
+    "dashboard.png",
+    "export",
+    "tensorboard",
+    "wandb",
+)
+# Temporaries: write_atomic's .NAME.PID.tmp, palestra export's .NAME.export-PID.tmp and .NAME.old-PID folders,
+# and TensorBoard's event files.
+_RUN_TEMPORARY = re.compile(r"^(\..+\.(\d+\.tmp|export-\d+\.tmp|old-\d+)|events\.out\.tfevents\..+)$")
+# Names a checkpoint's "logs" may not give: Palestra's own files, which restore_logs would cut.
+_NOT_LOGS = (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR, LOCK_NAME, "dashboard.png", "export")
+
+
+def run_files(config: Config, run_dir: str | Path) -> list[str]:
+    """The files and folders, relative to ``run_dir``, that ``config``'s loggers and ``train.export`` write in the
+    run folder besides :data:`RUN_NAMES` (a jsonl ``filename``, a tensorboard ``log_dir``, an export folder inside
+    it); a path outside the folder is not listed."""
+    names: list[str] = []
+    for spec in config.loggers:
+        value = {"jsonl": "filename", "tensorboard": "log_dir"}.get(spec.name)
+        if value is not None and isinstance(getattr(spec.options, value, None), str):
+            names.append(getattr(spec.options, value))
+        elif spec.name == "wandb":
+            names.append("wandb")
+    if config.train.export:
+        out = Path(config.train.export_dir) if config.train.export_dir is not None else Path(run_dir) / "export"
+        with contextlib.suppress(ValueError, OSError):
+            names.append(str(out.resolve().relative_to(Path(run_dir).resolve())))
+    cleaned = [os.path.normpath(n) for n in names if not os.path.isabs(n)]
+    return [n for n in cleaned if plain_relative(n)]
 
 
 def write_run_file(run_dir: str | Path, run_id: str, name: str) -> Path:
     """``RUN_DIR/run.json``: the id of the run that owns the directory (resume continues only its checkpoints)."""
+    path = Path(run_dir) / RUN_FILE
+    if path.is_symlink():  # the rename below would replace the link, not follow it: still, no run takes a link
+        raise RunFolderLink(link_message(path))
     record = {"run_id": run_id, "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    return write_atomic(
-        Path(run_dir) / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    )
+    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8"))
+
+
+def _read_run_record(run_dir: Path) -> Any:
+    """``run.json``'s parsed content (None when it is absent, not a regular file, unreadable or not JSON), read
+    without following a link (a link raises :class:`RunFolderLink`) and without blocking on a FIFO."""
+    try:
+        fd = open_in(run_dir, RUN_FILE, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except RunFolderLink:
+        raise
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        try:
+            return json.loads(f.read(1 << 20).decode("utf-8"))
+        except (OSError, ValueError):
+            return None
 
 
 def read_run_id(run_dir: str | Path) -> str | None:
-    """The run id in ``RUN_DIR/run.json``, or None when there is none (or it is unreadable: warned)."""
+    """The run id in ``RUN_DIR/run.json``, or None when there is none (or it is unreadable: warned). A ``run.json``
+    that is a link is refused (:class:`RunFolderLink`)."""
     path = Path(run_dir) / RUN_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        run_id = json.loads(path.read_text(encoding="utf-8")).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        run_id = None
+    record = _read_run_record(Path(run_dir))
+    run_id = record.get("run_id") if isinstance(record, dict) else None
     if not isinstance(run_id, str):
         warnings.warn(
             f"{path} is unreadable; taking the run that saved last as the owner", CheckpointWarning, stacklevel=3
@@ -573,32 +660,81 @@ def read_run_id(run_dir: str | Path) -> str | None:
 
 
 def run_markers(run_dir: str | Path) -> list[str]:
-    """The run files ``run_dir`` holds (empty when it is free for a new run)."""
+    """The run files ``run_dir`` holds (empty when it is free for a new run); a link counts, dangling or not."""
     run_dir = Path(run_dir)
-    return [name for name in RUN_MARKERS if (run_dir / name).exists()] if run_dir.is_dir() else []
+    return [name for name in RUN_MARKERS if os.path.lexists(run_dir / name)] if run_dir.is_dir() else []
 
 
 def holds_checkpoint(run_dir: str | Path) -> bool:
     """Whether ``run_dir`` holds a checkpoint (final or step): without one, a run there saved nothing to resume."""
-    return (Path(run_dir) / FINAL_NAME).is_file() or bool(list_step_checkpoints(run_dir))
+    final = os.lstat(Path(run_dir) / FINAL_NAME) if os.path.lexists(Path(run_dir) / FINAL_NAME) else None
+    return (final is not None and stat.S_ISREG(final.st_mode)) or bool(list_step_checkpoints(run_dir))
 
 
 def is_unsaved_run(run_dir: str | Path) -> bool:
     """Whether ``run_dir`` holds what a palestra run wrote before its first checkpoint (its ``run.json``) and no
     checkpoint: a folder with a ``metrics.jsonl`` and no ``run.json`` may be anyone's, and stays protected."""
-    path = Path(run_dir) / RUN_FILE
     try:
-        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
-    except (OSError, ValueError):
+        record = _read_run_record(Path(run_dir))
+    except RunFolderLink:
         return False
     return isinstance(record, dict) and isinstance(record.get("run_id"), str) and not holds_checkpoint(run_dir)
 
 
-def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name") -> None:
+def foreign_entries(run_dir: str | Path, own: Sequence[str] = ()) -> list[str]:
+    """What ``run_dir`` holds that Palestra did not write (not in :data:`RUN_NAMES`, not a temporary, not one of
+    ``own``: the config's :func:`run_files`), a sub-folder shown with a ``/``; in ``checkpoints/`` too."""
+    allowed = {*RUN_NAMES, *(name.split("/")[0] for name in own)}
+    found = []
+    for name, st in walk_names(run_dir):
+        if name not in allowed and not _RUN_TEMPORARY.match(name):
+            found.append(name + "/" if stat.S_ISDIR(st.st_mode) else name)
+        elif name == CHECKPOINT_DIR and stat.S_ISDIR(st.st_mode):
+            found += [
+                f"{CHECKPOINT_DIR}/{inner}"
+                for inner, _ in walk_names(Path(run_dir) / CHECKPOINT_DIR)
+                if not (_STEP_FILE.match(inner) or inner == LATEST or _RUN_TEMPORARY.match(inner))
+            ]
+    return found
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_run_folder(run_dir: str | Path) -> None:
+    """Refuse (:class:`RunFolderLink`, one line) a link directly in ``run_dir`` or in its ``checkpoints/``: Palestra
+    never makes one there, and a run that wrote through one would write (or cut, or delete) outside its folder.
+    (A ``.lock`` link is left to :class:`~palestra.engine.run_lock.RunLock`, whose own line names it.)"""
+    links = [p for p in find_links(run_dir, (CHECKPOINT_DIR,)) if p.name != LOCK_NAME or p.parent != Path(run_dir)]
+    if links:
+        raise RunFolderLink(link_message(links[0]))
+
+
+def check_new_run_dir(
+    run_dir: str | Path, *, overwrite: bool, name_key: str = "run.name", own: Sequence[str] = ()
+) -> None:
     """Refuse to start a new run in a directory that holds one, unless ``overwrite`` (one line with the ways out).
 
     A run that saved no checkpoint (it failed at step 0, or was killed first) is no run to protect: a new run may
-    start over it (:func:`clear_unsaved_run`)."""
+    start over it (:func:`clear_unsaved_run`). A folder holding a link, or anything Palestra did not write (not a
+    run's files: :data:`RUN_NAMES` and ``own``, the config's :func:`run_files`) is refused, with or without
+    ``overwrite``: a run folder holds one run's files and nothing else."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    check_run_folder(run_dir)
+    foreign = foreign_entries(run_dir, own)
+    if foreign and overwrite:
+        raise RunDirError(
+            f"--overwrite: refusing to clear {run_dir}: it holds {_shown(foreign)}, which Palestra did not write; "
+            f"move {'it' if len(foreign) == 1 else 'them'} away or choose another {name_key}"
+        )
+    if foreign:
+        raise RunDirError(
+            f"{run_dir} holds {_shown(foreign)}, which Palestra did not write; a run folder holds one run's files "
+            f"only: choose another {name_key} (or move {'it' if len(foreign) == 1 else 'them'} away)"
+        )
     found = run_markers(run_dir)
     if found and not overwrite and not is_unsaved_run(run_dir):
         raise RunDirError(
@@ -607,11 +743,13 @@ def check_new_run_dir(run_dir: str | Path, *, overwrite: bool, name_key: str = "
         )
 
 
-def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
-    """Delete the run in ``run_dir`` (``--overwrite``): everything in it, after checking that it is one run's directory.
+def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None, own: Sequence[str] = ()) -> None:
+    """Delete the run in ``run_dir`` (``--overwrite``): what Palestra wrote there (:data:`RUN_NAMES`, temporaries,
+    ``own``: the config's :func:`run_files`), after checking that the folder holds nothing else.
 
     Refused (one line) when the directory is the working directory or one of its parents, holds other runs in
-    sub-directories (an output_dir rather than a run), or holds ``keep`` (the config file the run was started with).
+    sub-directories (an output_dir rather than a run), holds ``keep`` (the config file the run was started with),
+    a link, or any file Palestra did not write. The lock file stays (this run holds it).
     """
     run_dir = Path(run_dir)
     if not run_markers(run_dir):
@@ -621,36 +759,40 @@ def clear_run_dir(run_dir: str | Path, *, keep: Path | None = None) -> None:
     if root == cwd or root in cwd.parents:
         why = "it is the working directory or one of its parents"
     elif nested := sorted(
-        p.name
-        for p in root.iterdir()
-        if p.is_dir()
-        and p.name != CHECKPOINT_DIR
-        and any((p / m).exists() for m in (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR))
+        name
+        for name, st in walk_names(root)
+        if stat.S_ISDIR(st.st_mode)
+        and name != CHECKPOINT_DIR
+        and any(os.path.lexists(root / name / m) for m in (RUN_FILE, FINAL_NAME, CHECKPOINT_DIR))
     ):
         why = f"it holds other runs ({', '.join(nested[:3])})"
     elif keep is not None and root in keep.resolve().parents:
         why = f"it holds the config file {keep}"
     if why:
         raise RunDirError(f"--overwrite: refusing to delete {run_dir}: {why}; choose a run.name of its own")
-    for entry in root.iterdir():
-        if entry.name == LOCK_NAME:
+    check_new_run_dir(run_dir, overwrite=True, own=own)  # a link or a file of someone else's: nothing deleted
+    for name, st in walk_names(root):
+        if name == LOCK_NAME:
             continue  # held by this run: deleting it would let a second writer lock a new file beside ours
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(root / name)  # never follows a link inside it (the fd-based rmtree)
         else:
-            entry.unlink()
+            unlink_entry(root, name)
 
 
-def clear_unsaved_run(run_dir: str | Path, log_files: Sequence[Path] = ()) -> None:
+def clear_unsaved_run(run_dir: str | Path, log_files: Sequence[str | Path] = ()) -> None:
     """Remove what a run that saved no checkpoint left in ``run_dir``: ``run.json``, ``metrics.jsonl``, the files
-    ``log_files`` (its loggers') and an empty ``checkpoints/``; only regular files inside the folder, never a link."""
+    ``log_files`` (its loggers', relative to ``run_dir`` or under it: :func:`run_files` of the config of the run
+    that starts over it) and an empty ``checkpoints/``; only regular files inside the folder, never through a link."""
     run_dir = Path(run_dir)
-    root = run_dir.resolve()
-    for path in [run_dir / RUN_FILE, run_dir / "metrics.jsonl", *log_files]:
-        if path.is_file() and not path.is_symlink() and path.resolve().parent == root:
-            path.unlink()
+    for name in [RUN_FILE, "metrics.jsonl", *log_files]:
+        path = Path(name)
+        with contextlib.suppress(ValueError):
+            path = path.relative_to(run_dir)  # a logger's path, run_dir/filename
+        if plain_relative(path.as_posix()):
+            remove_file(run_dir, path.as_posix())
     with contextlib.suppress(OSError):
-        (run_dir / CHECKPOINT_DIR).rmdir()  # only when empty
+        (run_dir / CHECKPOINT_DIR).rmdir()  # only when empty (and not a link: rmdir refuses one)
 
 
 # ---- random number generators ------------------------------------------------------------------------
@@ -682,54 +824,97 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 # ---- logged files --------------------------------------------------------------------------------------
 def log_sizes(loggers: list[Any], run_dir: Path) -> dict[str, int]:
-    """Bytes in each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run."""
+    """Bytes in each file-backed logger's file (the jsonl logger's ``path``), keyed by path relative to the run
+    (a file that is not a regular file inside the run folder is not recorded)."""
     out: dict[str, int] = {}
     for logger in loggers:
         path = logger.path if isinstance(logger, FileLogger) else None
-        if isinstance(path, Path) and path.is_file():
-            try:
-                out[str(path.relative_to(run_dir))] = path.stat().st_size
-            except ValueError:
-                continue
+        if not isinstance(path, Path):
+            continue
+        try:
+            rel = path.relative_to(run_dir).as_posix()
+            st = lstat_in(run_dir, rel) if plain_relative(rel) else None
+        except (ValueError, OSError):
+            continue
+        if st is not None and stat.S_ISREG(st.st_mode):
+            out[rel] = st.st_size
     return out
 
 
-def restore_logs(run_dir: Path, sizes: Mapping[str, int], step: int) -> None:
-    """Cut each logged file back to where it was at the checkpoint (``sizes``, recorded at ``step``).
+def check_log_keys(run_dir: Path, sizes: Any, source: str | Path) -> dict[str, int]:
+    """``sizes`` (a checkpoint's ``logs``), checked as data from the run folder: each key a plain relative name of
+    a log file inside ``run_dir`` (not absolute, no ``..``, no NUL, not one of Palestra's own files, not a link on
+    the way) and each size a number of bytes. One line naming ``source`` and the key otherwise; nothing is cut."""
+    if not isinstance(sizes, Mapping):
+        raise CheckpointError(f"checkpoint {source}: logs is {type(sizes).__name__}, not a mapping of log files")
+    out: dict[str, int] = {}
+    for key, size in sizes.items():
+        where = f"checkpoint {source}: logs key {str(key)[:80]!r}"
+        if not plain_relative(key) or key.split("/")[0] in _NOT_LOGS or _RUN_TEMPORARY.match(key.split("/")[0]):
+            raise CheckpointError(
+                f"{where} is not the name of a log file inside the run folder; refused, nothing was cut "
+                "(a checkpoint names only its run's own log files)"
+            )
+        if type(size) is not int or size < 0:
+            raise CheckpointError(f"{where} records {str(size)[:40]!r}, not a number of bytes; refused")
+        try:
+            st = lstat_in(run_dir, key)
+        except (RunFolderLink, NotADirectoryError) as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(f"{where}: {link_message(run_dir / key)}")
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{where} names {run_dir / key}, which is not a regular file; refused")
+        out[key] = size
+    return out
+
+
+def restore_logs(run_dir: Path, sizes: Mapping[str, int], step: int, *, source: str | Path = "(state)") -> None:
+    """Cut each logged file back to where it was at the checkpoint (``sizes``, recorded at ``step`` in ``source``).
 
     Lines a killed run wrote after its checkpoint are dropped, and the resumed run writes them again (no step
     appears twice). The cut always lands just after a complete line at or before the recorded size: a file that
     is shorter than recorded (lines lost) or would end mid-line is cut to its last complete line with a
-    :class:`CheckpointWarning`, so the resumed run never appends after a fragment.
+    :class:`CheckpointWarning`, so the resumed run never appends after a fragment. The keys are checked first
+    (:func:`check_log_keys`), and each file is opened without following a link.
     """
-    for rel, size in sizes.items():
+    for rel, size in check_log_keys(run_dir, sizes, source).items():
         path = run_dir / rel
-        if not path.is_file():
+        try:
+            fd = open_in(run_dir, rel, os.O_RDWR | os.O_NONBLOCK)
+        except FileNotFoundError:
             warnings.warn(
                 f"{path} is missing (it had {size} bytes at step {step}); the resumed run starts a new one",
                 CheckpointWarning,
                 stacklevel=2,
             )
             continue
-        actual = path.stat().st_size
-        with open(path, "r+b") as f:
-            end = _line_end_at_or_before(f, min(size, actual))
-            if actual < size:
-                warnings.warn(
-                    f"{path} is {actual} bytes, shorter than the {size} recorded at step {step}: lines were "
-                    f"lost; cut to its last complete line ({end} bytes) before resuming",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-            elif end < size:
-                warnings.warn(
-                    f"{path} ends mid-line at the {size} bytes recorded at step {step}; cut to its last "
-                    f"complete line ({end} bytes) before resuming",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-            if end < actual:
-                f.truncate(end)
+        except RunFolderLink as e:  # appeared since the check
+            raise CheckpointError(f"checkpoint {source}: logs key {rel!r}: {e}") from None
+        with os.fdopen(fd, "r+b") as f:
+            _cut_log(f, path, size, step)
+
+
+def _cut_log(f: Any, path: Path, size: int, step: int) -> None:
+    """Cut the open log ``f`` (``path``) to its last complete line at or before ``size`` bytes (warned when short)."""
+    actual = os.fstat(f.fileno()).st_size
+    end = _line_end_at_or_before(f, min(size, actual))
+    if actual < size:
+        warnings.warn(
+            f"{path} is {actual} bytes, shorter than the {size} recorded at step {step}: lines were "
+            f"lost; cut to its last complete line ({end} bytes) before resuming",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    elif end < size:
+        warnings.warn(
+            f"{path} ends mid-line at the {size} bytes recorded at step {step}; cut to its last "
+            f"complete line ({end} bytes) before resuming",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    if end < actual:
+        f.truncate(end)
 
 
 def _line_end_at_or_before(f: Any, limit: int, chunk: int = 1 << 16) -> int:

@@ -152,6 +152,7 @@ class Trainer:
         # (the checkpoint recorded the log's size after it), so resuming it must not log that step again.
         self.finished_at_load = False
         self._log_sizes: dict[str, int] = {}  # logged file sizes at the loaded checkpoint
+        self._log_source: str | Path = "(state)"  # the checkpoint they were read from
 
     def checked(self, env: Any) -> CheckedEnvironment:
         """``env`` with its calls timed (``train.data_timeout_s``, the watchdog) and checked against the protocol."""
@@ -261,8 +262,9 @@ class Trainer:
         :class:`Interrupted` (see :meth:`_stop_if_signalled`)."""
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.check_run_folder(self.run_dir)  # a link in the folder: refused before anything is cut or written
             # a resumed run rewrites what followed its checkpoint
-            ckpt.restore_logs(self.run_dir, self._log_sizes, self.step_index)
+            ckpt.restore_logs(self.run_dir, self._log_sizes, self.step_index, source=self._log_source)
         plain = self.config.to_dict()
         for logger in self.loggers:
             logger.open(self.run_dir, plain)
@@ -385,7 +387,9 @@ class Trainer:
             self.run_id = restored.run_id  # the resumed run is the same run: its new checkpoints carry its id
         self.reward_ema, self.bad_steps = restored.reward_ema, restored.bad_steps
         self.before = EvalResult(**restored.before) if restored.before is not None else None
-        self._log_sizes = restored.log_sizes
+        # data from the run folder: each key a log file's name inside it, refused now (one line) before any build
+        self._log_sizes = ckpt.check_log_keys(self.run_dir, restored.log_sizes, source)
+        self._log_source = source
         self.hooks.on_checkpoint_load(run=self.run_state(), state=state)
 
 

@@ -8,17 +8,22 @@ written as ``null``. ``palestra plot RUN_DIR`` draws this file.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import numbers
+import os
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import IO, Any
+from typing import Any
 
 from palestra import hookimpl
 from palestra.config import OptionError, check_options
+from palestra.engine.run_folder import open_in
 
 RESERVED_KEYS = ("step", "time")  # the columns every line starts with
 
@@ -59,17 +64,16 @@ def json_record(metrics: Mapping[str, Any], step: int, wall_time: float) -> dict
     return record
 
 
-def _ends_mid_line(path: Path) -> bool:
-    """True when ``path`` exists, is not empty and its last byte is not a newline."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            if f.tell() == 0:
-                return False
-            f.seek(-1, 2)
-            return f.read(1) != b"\n"
-    except FileNotFoundError:
-        return False
+def _ends_mid_line(fd: int) -> bool:
+    """True when the open file ``fd`` is not empty and its last byte is not a newline."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
+class LogWriteError(OSError):
+    """The log file could not be written (a full disk, say): one line naming the file; what was logged is kept."""
+
+    palestra_user_error = True
 
 
 @dataclass
@@ -86,33 +90,57 @@ class JsonlOptions:
 
 
 class JsonlLogger:
-    """Appends metrics to ``<run_dir>/<filename>``; a resumed run continues the same file."""
+    """Appends metrics to ``<run_dir>/<filename>``; a resumed run continues the same file.
+
+    The file is opened without following a link at any part below the run folder (a link there is refused in one
+    line: a run never writes outside its folder), and each line is one unbuffered ``write``: nothing waits in a
+    buffer for ``close``, and a full disk is one line naming the file, raised by the ``log`` that met it.
+    """
 
     def __init__(self, **options: Any) -> None:
         self.options: JsonlOptions = check_options(JsonlOptions, options, where="jsonl")
         self.path: Path | None = None
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
 
     def open(self, run_dir: Path, config: Mapping[str, Any]) -> None:
         self.path = Path(run_dir) / self.options.filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK  # O_NONBLOCK: a FIFO planted there never hangs
+        try:
+            fd = open_in(run_dir, PurePath(self.options.filename).as_posix(), flags, make_dirs=True)
+        except OSError as e:
+            raise LogWriteError(f"jsonl logger: cannot open {self.path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LogWriteError(f"jsonl logger: {self.path} is not a regular file; remove it and run again")
+        self._fd = fd
         # A crash can leave the last line cut short; start on a fresh line so the first new record stays readable.
-        needs_newline = _ends_mid_line(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
-        if needs_newline:
-            self._file.write("\n")
+        if _ends_mid_line(fd):
+            self._write(b"\n", None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._file is None:
+        if self._fd is None:
             raise RuntimeError("jsonl logger: log() was called before open() (or after close())")
         line = json.dumps(json_record(metrics, step, time.time()), allow_nan=False, ensure_ascii=False)
-        self._file.write(line + "\n")
-        self._file.flush()
+        self._write((line + "\n").encode("utf-8"), step)
+
+    def _write(self, data: bytes, step: int | None) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as e:
+            what = f"step {step}'s metrics" if step is not None else "a newline"
+            kept = "the lines before it are kept" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "nothing more"
+            raise LogWriteError(
+                f"jsonl logger: writing {what} to {self.path} failed: {(e.strerror or str(e)).lower()}; {kept}"
+            ) from None
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # every line was written (or reported) by its own write
+                os.close(fd)
 
 
 @hookimpl
