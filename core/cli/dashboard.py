@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,12 @@ class MetricsNotFoundError(FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DashboardWriteFailed(OSError):
+    """The image could not be written (a full disk, a read-only folder): one line; no partial file is left."""
+
+    palestra_user_error = True
 
 
 class MetricsFileWarning(UserWarning):
@@ -239,12 +246,23 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
     if not panels:
         raise ValueError(f"{path}: no numeric metrics to plot ({len(records)} record(s))")
     target = Path(out) if out is not None else run_path / DASHBOARD_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    draw_panels(panels, target, title=run_path.resolve().name, columns=columns)
+    # Drawn into a temporary file beside the target and renamed over it: a full disk or a signal mid-write never
+    # leaves half an image where the previous dashboard was.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        draw_panels(panels, tmp, title=run_path.resolve().name, columns=columns, format=target.suffix[1:] or "png")
+        os.replace(tmp, target)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != str(tmp) else ""
+        raise DashboardWriteFailed(f"writing {target} failed: {e.strerror or e}{where}; it was not written") from e
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 
-def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3) -> None:
+def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3, format: str | None = None) -> None:
+    """Draw ``panels`` into the image file ``out`` (``format``: png, svg, pdf, ...; None: from ``out``'s suffix)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -274,7 +292,7 @@ def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3)
         wspace=0.28,
         hspace=0.42,
     )
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, format=format)
 
 
 def _draw_panel(ax: Any, panel: Panel) -> None:
