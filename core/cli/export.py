@@ -10,6 +10,10 @@ where the weights came from (run, checkpoint, step).
 The folder is written into a hidden sibling first and renamed into place once complete, so ``DIR`` never holds
 half an export. An existing non-empty ``DIR`` is refused unless ``--force`` (then replaced, again by a rename).
 ``palestra train`` with ``train.export: true`` writes the same folder when training ends (:func:`write_export`).
+
+A destination that cannot be written (a read-only file system, a folder of another user) is one line before the
+run is loaded; a disk that fills up while the folder is written is one line, with the hidden folder removed. The
+hidden folders of exports that were killed mid-write (their process is gone) are removed by the next export there.
 """
 
 from __future__ import annotations
@@ -140,10 +144,11 @@ def check_out_dir(
     check_writable_destination(out, key, what="folder")
 
 
-def check_writable_destination(path: Path, key: str, *, what: str) -> None:
-    """One line unless ``path`` (a ``what``: file or folder, existing or not) can be created or replaced: the nearest
-    existing folder above it must be a folder, on a file system mounted read-write, that this user may write.
-    ``os.access`` answers for root too on a read-only mount (EROFS); a read-only mount is named as such."""
+def check_writable_destination(path: Path, key: str, *, what: str, remedy: str | None = None) -> None:
+    """One line (naming ``key``, suggesting ``remedy``) unless ``path`` (a ``what``: file or folder, existing or not)
+    can be created or replaced: the nearest existing folder above it must be a folder, on a file system mounted
+    read-write, that this user may write. ``os.access`` answers for root too on a read-only mount (EROFS); a
+    read-only mount is named as such."""
     shown = repr(str(path))
     existing = next(p for p in path.absolute().parents if _exists(p))
     if not existing.is_dir():
@@ -155,12 +160,12 @@ def check_writable_destination(path: Path, key: str, *, what: str) -> None:
     if read_only:
         raise UnwritableDestination(
             f"{key}: {shown} cannot be written: {str(existing)!r} is on a read-only file system; "
-            f"name a {what} on a writable one"
+            f"{remedy or f'name a {what} on a writable one'}"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UnwritableDestination(
             f"{key}: {shown} cannot be written: {str(existing)!r} is not writable by this user; "
-            f"name a {what} in a folder you may write"
+            f"{remedy or f'name a {what} in a folder you may write'}"
         )
 
 

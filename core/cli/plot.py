@@ -28,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
     if target.is_dir():
         raise UnwritableDestination(f"--out: {str(target)!r} is a folder; name the .png file to write")
     # before the metrics are read and drawn: a place that cannot take the file is one line, not a traceback after
-    check_writable_destination(target, "--out" if args.out is not None else "RUN_DIR", what="file")
+    if args.out is not None:
+        check_writable_destination(target, "--out", what="file")
+    else:
+        check_writable_destination(target, "RUN_DIR", what="file", remedy="pass --out FILE in a writable folder")
     print(plot_dashboard(args.run_dir, args.out))
     return 0

@@ -4,9 +4,13 @@
 in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts, the export) may be
 overridden, since anything else would make the continuation a different run. A new run refuses a directory that
 holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM/SIGHUP save a checkpoint at the next step
-boundary and exit 130/143/129 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
-writes. With ``train.export: true`` the trained policy is also written as a transformers folder when training ends
-(what ``palestra export`` writes; whether it can be written is checked before training starts).
+boundary and exit 130/143/129 with one line. While the run starts (nothing to save yet) they stop it at once; after
+the last step they let the run finish (the final checkpoint, the table, the dashboard, the export) and then exit with
+that status; a second signal there stops at once, naming what was not written and the command that writes it. The
+handlers stay in place for the whole command (:class:`~palestra.engine.watchdog.StopSignals`).
+Under torchrun every rank runs this command; rank 0 prints, plots and writes. With ``train.export: true`` the
+trained policy is also written as a transformers folder when training ends (what ``palestra export`` writes;
+whether it can be written is checked before training starts).
 """
 
 from __future__ import annotations

@@ -227,6 +227,25 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_no_partial_export(
     assert disk.listing() == []  # no .export.export-PID.tmp folder, no half an export
 
 
+@pytest.mark.slow
+def test_a_full_disk_during_train_export_is_one_line_naming_the_command_that_exports_the_saved_run(
+    tmp_path: Path, tmpfs: Callable[..., Tmpfs], raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    disk = tmpfs("disk", "32k")
+    out = disk.path / "export"
+    write_config(tmp_path, config(raw_config, steps=2, save_every=0, export=True, export_dir=str(out)))
+    result = palestra(["train", "--config", "config.yaml"], tmp_path, disk)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = error_line(result)
+    assert line.startswith(f"palestra train: error: train.export: disk full: writing the export {out} ran out of ")
+    assert line.endswith(
+        f" free on {disk.path}); nothing was written to {out}; the trained run is saved in runs/r: "
+        f"palestra export runs/r --out {out} writes it"
+    )
+    assert disk.listing() == []
+    assert ckpt.load_checkpoint(tmp_path / "runs" / "r" / ckpt.FINAL_NAME)["step"] == 2
+
+
 def test_export_and_plot_onto_a_read_only_mount_are_one_line_each(tmpfs: Callable[..., Tmpfs], trained: Path) -> None:
     disk = tmpfs("ro", read_only=True)
     export = palestra(["export", "runs/r", "--out", str(disk.path / "x")], trained, disk)
