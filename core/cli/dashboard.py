@@ -13,6 +13,7 @@ no global backend switch), so this works headless and inside other programs.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -251,6 +252,7 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_dead_drawings(target)
         draw_panels(panels, tmp, title=run_path.resolve().name, columns=columns, format=target.suffix[1:] or "png")
         os.replace(tmp, target)
     except OSError as e:
@@ -259,6 +261,16 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _sweep_dead_drawings(target: Path) -> None:
+    """Remove the ``.NAME.PID.tmp`` files that drawings of ``target`` killed mid-write left (their process is gone)."""
+    from palestra.engine.run_lock import pid_alive
+
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = stale.name[len(target.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and not pid_alive(int(pid)) and stale.is_file() and not stale.is_symlink():
+            stale.unlink(missing_ok=True)
 
 
 def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3, format: str | None = None) -> None:

@@ -162,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
         point = None  # the loaded state is in the trainer now: let it go
         try:
             return _train_and_report(trainer, resumed_from, resume)
+        except Interrupted as e:  # a second signal between two phases: say what the last checkpoint holds
+            if e.saved_step is None:
+                e.saved_step, e.run_dir = trainer.saved_step, trainer.run_dir
+            if trainer.dist.is_main:
+                print(f"palestra train: {e.line()}", file=sys.stderr)
+            return e.exit_code
         finally:
             if lock is not None:
                 lock.release(tidy=True)  # a run that failed and left nothing takes its folder with it
@@ -214,12 +220,11 @@ def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str |
             result, code = None, e.exit_code
     finally:
         trainer.dist.close()
-    if result is None:
+    if result is None or not main:
+        # A rank other than 0 that finished training has nothing left to write: it leaves with 0 even after a
+        # signal, since torchrun answers a rank that fails by sending SIGTERM to rank 0, still writing the export.
         return end_rank(trainer.dist, code)
-    if main:
-        code = _finish(trainer, result)
-    received = trainer.stop_signals.received
-    return end_rank(trainer.dist, code or (128 + received if received is not None else 0))
+    return end_rank(trainer.dist, _finish(trainer, result))
 
 
 def _finish(trainer: Trainer, result: TrainResult) -> int:

@@ -377,3 +377,18 @@ def test_stop_signals_nest_and_keep_a_signal_for_the_outer_block() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+def test_a_killed_drawings_temporary_file_is_swept_by_the_next_plot_and_a_live_ones_is_not(tmp_path: Path) -> None:
+    from palestra.cli.dashboard import plot_dashboard
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.1}\n{"step": 1, "reward/mean": 0.2}\n')
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".dashboard.png.{dead.pid}.tmp"
+    left.write_bytes(b"\x89PNG half")
+    with live_process() as pid:
+        live = tmp_path / f".dashboard.png.{pid}.tmp"
+        live.write_bytes(b"\x89PNG being written")
+        assert plot_dashboard(tmp_path) == tmp_path / "dashboard.png"
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl", "dashboard.png", live.name])
