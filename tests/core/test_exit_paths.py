@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ class Tmpfs:
     path: Path
     view: Path
     holder: subprocess.Popen[str] | None = None
-    _enter: list[str] = field(default_factory=list)
 
     def command(self, argv: list[str], cwd: Path) -> list[str]:
         if self.holder is None:
