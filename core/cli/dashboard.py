@@ -16,8 +16,10 @@ no global backend switch), so this works headless and inside other programs.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +38,12 @@ class MetricsNotFoundError(FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DashboardWriteFailed(OSError):
+    """The image could not be written (a full disk, a read-only folder): one line; no partial file is left."""
+
+    palestra_user_error = True
 
 
 class MetricsFileWarning(UserWarning):
@@ -303,17 +311,39 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
     if not panels:
         raise ValueError(f"{path}: no numeric metrics to plot ({len(records)} record(s))")
     target = Path(out) if out is not None else run_path / DASHBOARD_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    draw_panels(panels, target, title=run_path.resolve().name, columns=columns)
+    # Drawn into a temporary file beside the target and renamed over it: a full disk or a signal mid-write never
+    # leaves half an image where the previous dashboard was.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_dead_drawings(target)
+        draw_panels(panels, tmp, title=run_path.resolve().name, columns=columns, format=target.suffix[1:] or "png")
+        os.replace(tmp, target)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != str(tmp) else ""
+        raise DashboardWriteFailed(f"writing {target} failed: {e.strerror or e}{where}; it was not written") from e
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
+
+
+def _sweep_dead_drawings(target: Path) -> None:
+    """Remove the ``.NAME.PID.tmp`` files that drawings of ``target`` killed mid-write left (their process is gone)."""
+    from palestra.engine.run_lock import pid_alive
+
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = stale.name[len(target.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and not pid_alive(int(pid)) and stale.is_file() and not stale.is_symlink():
+            stale.unlink(missing_ok=True)
 
 
 COLUMN_WIDTH = 6.4  # inches per grid column: the axes, then the legend beside them
 LEGEND_ROOM = 1.45  # inches right of each axes for its legend, outside the curves
 
 
-def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3) -> None:
-    build_figure(panels, title=title, columns=columns).savefig(out, dpi=100)
+def draw_panels(panels: list[Panel], out: Path, *, title: str, columns: int = 3, format: str | None = None) -> None:
+    """Draw ``panels`` into the image file ``out`` (``format``: png, svg, pdf, ...; None: from ``out``'s suffix)."""
+    build_figure(panels, title=title, columns=columns).savefig(out, dpi=100, format=format)
 
 
 def build_figure(panels: list[Panel], *, title: str, columns: int = 3) -> Any:

@@ -10,6 +10,10 @@ where the weights came from (run, checkpoint, step).
 The folder is written into a hidden sibling first and renamed into place once complete, so ``DIR`` never holds
 half an export. An existing non-empty ``DIR`` is refused unless ``--force`` (then replaced, again by a rename).
 ``palestra train`` with ``train.export: true`` writes the same folder when training ends (:func:`write_export`).
+
+A destination that cannot be written (a read-only file system, a folder of another user) is one line before the
+run is loaded; a disk that fills up while the folder is written is one line, with the hidden folder removed. The
+hidden folders of exports that were killed mid-write (their process is gone) are removed by the next export there.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import errno
+import glob
 import importlib.util
 import json
 import os
@@ -35,6 +41,20 @@ PROVENANCE = "palestra_export.json"  # what the folder was exported from (read b
 class ExportError(ValueError):
     """An export that cannot be made as asked (no checkpoint, an occupied --out, a policy with no export form).
     One line."""
+
+    palestra_user_error = True
+
+
+class UnwritableDestination(ValueError):
+    """A destination the command could never write (on a read-only file system, in a folder this user may not
+    write, under a file). One line, before anything is computed."""
+
+    palestra_user_error = True
+
+
+class ExportWriteFailed(OSError):
+    """Writing the export folder failed (a full disk, a destination that turned read-only): one line; the partial
+    folder is removed and an existing export is untouched."""
 
     palestra_user_error = True
 
@@ -131,6 +151,40 @@ def check_out_dir(
             raise ExportError(f"{key}: {str(out)!r} {holds} {what}; name a folder of its own")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{key}: {str(out)!r} already holds files; {remedy}")
+    # the folder is written beside itself and renamed into place: its parent must take new entries
+    check_writable_destination(out, key, what="folder")
+
+
+def check_writable_destination(path: Path, key: str, *, what: str, remedy: str | None = None) -> None:
+    """One line (naming ``key``, suggesting ``remedy``) unless ``path`` (a ``what``: file or folder, existing or not)
+    can be created or replaced: the nearest existing folder above it must be a folder, on a file system mounted
+    read-write, that this user may write. ``os.access`` answers for root too on a read-only mount (EROFS); a
+    read-only mount is named as such."""
+    shown = repr(str(path))
+    existing = next(p for p in path.absolute().parents if _exists(p))
+    if not existing.is_dir():
+        raise UnwritableDestination(f"{key}: {shown} cannot be created: {str(existing)!r} is a file")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise UnwritableDestination(
+            f"{key}: {shown} cannot be written: {str(existing)!r} is on a read-only file system; "
+            f"{remedy or f'name a {what} on a writable one'}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnwritableDestination(
+            f"{key}: {shown} cannot be written: {str(existing)!r} is not writable by this user; "
+            f"{remedy or f'name a {what} in a folder you may write'}"
+        )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder this user may not enter: the walk up reports the one above it
+        return False
 
 
 def is_export_of(out: Path, run_id: str) -> bool:
@@ -265,9 +319,14 @@ def write_export(
     policy: Any, out: Path, *, policy_name: str, merge_lora: bool, provenance: dict[str, Any], replace: bool
 ) -> Path:
     """Write ``policy`` (every model of it, see :func:`export_targets`) into ``out`` atomically: into a hidden sibling
-    folder first, renamed into place when complete; ``replace`` swaps out an existing folder the same way."""
+    folder first, renamed into place when complete; ``replace`` swaps out an existing folder the same way.
+
+    A write that fails for want of space (or on a destination that turned read-only) raises
+    :class:`ExportWriteFailed`, one line, with the hidden folder removed. Hidden folders that exports killed
+    mid-write left beside ``out`` (their process is gone) are removed first."""
     targets = export_targets(policy)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_dead_exports(out)
     tmp = out.with_name(f".{out.name}.export-{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -287,9 +346,69 @@ def write_export(
         (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         _repoint_adapters(tmp, out)
         _swap_into_place(tmp, out, replace=replace)
+    except ExportError:
+        raise
+    except Exception as e:
+        failed = _write_failure(e, tmp, out)
+        if failed is None:
+            raise
+        raise failed from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_failure(error: Exception, tmp: Path, out: Path) -> ExportWriteFailed | None:
+    """The one line for a write that failed for want of space, or with an ``OSError`` of the destination; None for
+    anything else (a bug keeps its traceback). The writers (safetensors, torch) wrap a full disk in their own
+    errors, so it is recognised by its ``OSError`` in the chain, its errno's text, or a file system left with no
+    room (the partial files fill it)."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(chain) < 20:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errnos = {x.errno for x in chain if isinstance(x, OSError)}
+    try:
+        stat = os.statvfs(tmp if tmp.exists() else out.parent)
+        no_room = stat.f_bavail * stat.f_frsize < 1 << 20  # under a MiB left, measured with the partial files in
+    except OSError:
+        no_room = False
+    full = errnos & {errno.ENOSPC, errno.EDQUOT} or os.strerror(errno.ENOSPC) in str(error) or no_room
+    shutil.rmtree(tmp, ignore_errors=True)  # before the free space is reported: the partial files are not kept
+    if full:
+        from palestra.engine.checkpoint import _human
+
+        try:
+            free = f"{_human(shutil.disk_usage(out.parent).free)} free on {out.parent}"
+        except OSError:
+            free = "free space unknown"
+        kept = f"{out} keeps its previous content" if out.exists() else f"nothing was written to {out}"
+        return ExportWriteFailed(f"disk full: writing the export {out} ran out of space ({free}); {kept}")
+    oserror = next((x for x in chain if isinstance(x, OSError)), None)
+    if oserror is None:
+        return None
+    where = f" ({oserror.filename})" if oserror.filename else ""
+    return ExportWriteFailed(
+        f"writing the export {out} failed: {oserror.strerror or oserror}{where}; nothing was written to {out}"
+    )
+
+
+def _sweep_dead_exports(out: Path) -> None:
+    """Remove what exports killed mid-write (a SIGKILL, a power cut) left beside ``out``: their hidden
+    ``.NAME.export-PID.tmp`` folders, and a ``.NAME.old-PID`` folder once ``out`` is in place. A live process's
+    folders (another export, writing now) are left alone."""
+    from palestra.engine.run_lock import pid_alive
+
+    for kind, suffix in (("export-", ".tmp"), ("old-", "")):
+        prefix = f".{out.name}.{kind}"
+        for stale in out.parent.glob(f"{glob.escape(prefix)}*{suffix}"):
+            pid = stale.name[len(prefix) : len(stale.name) - len(suffix)]
+            if not pid.isdigit() or pid_alive(int(pid)) or stale.is_symlink() or not stale.is_dir():
+                continue
+            if kind == "old-" and not out.exists():
+                continue  # killed between the two renames: this is the previous export, the only one there is
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> None:

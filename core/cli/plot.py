@@ -18,7 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palestra.cli.dashboard import plot_dashboard  # matplotlib loads only when drawing
+    from pathlib import Path
 
+    from palestra.cli.dashboard import DASHBOARD_FILE, metrics_path, plot_dashboard  # matplotlib: when drawing
+    from palestra.cli.export import UnwritableDestination, check_writable_destination
+
+    source = metrics_path(args.run_dir)  # a missing run is named first
+    target = Path(args.out) if args.out is not None else source.parent / DASHBOARD_FILE
+    if target.is_dir():
+        raise UnwritableDestination(f"--out: {str(target)!r} is a folder; name the .png file to write")
+    # before the metrics are read and drawn: a place that cannot take the file is one line, not a traceback after
+    if args.out is not None:
+        check_writable_destination(target, "--out", what="file")
+    else:
+        check_writable_destination(target, "RUN_DIR", what="file", remedy="pass --out FILE in a writable folder")
     print(plot_dashboard(args.run_dir, args.out))
     return 0

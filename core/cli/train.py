@@ -4,9 +4,13 @@
 in :data:`RESUMABLE_KEYS` (how long to train, how often to save, log and evaluate, the timeouts, the export) may be
 overridden, since anything else would make the continuation a different run. A new run refuses a directory that
 holds a run unless ``--overwrite`` (which deletes it first). SIGINT/SIGTERM/SIGHUP save a checkpoint at the next step
-boundary and exit 130/143/129 with one line. Under torchrun every rank runs this command; rank 0 prints, plots and
-writes. With ``train.export: true`` the trained policy is also written as a transformers folder when training ends
-(what ``palestra export`` writes; whether it can be written is checked before training starts).
+boundary and exit 130/143/129 with one line. While the run starts (nothing to save yet) they stop it at once; after
+the last step they let the run finish (the final checkpoint, the table, the dashboard, the export) and then exit with
+that status; a second signal there stops at once, naming what was not written and the command that writes it. The
+handlers stay in place for the whole command (:class:`~palestra.engine.watchdog.StopSignals`).
+Under torchrun every rank runs this command; rank 0 prints, plots and writes. With ``train.export: true`` the
+trained policy is also written as a transformers folder when training ends (what ``palestra export`` writes;
+whether it can be written is checked before training starts).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import copy
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from palestra.config import ComponentSpec, Config, ConfigError, load_config, parse_override, to_plain, validate_config
-from palestra.engine.watchdog import Interrupted
+from palestra.engine.watchdog import Interrupted, StopSignals
 
 if TYPE_CHECKING:
     from palestra.engine.checkpoint import ResumePoint
     from palestra.engine.run_lock import RunLock
-    from palestra.engine.trainer import EvalResult, Trainer
+    from palestra.engine.trainer import EvalResult, Trainer, TrainResult
     from palestra.scale.distributed import DistributedContext
 
 
@@ -164,18 +169,42 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--resume: the run continues with the config saved in its checkpoint; drop --config")
     if resume is not None and overwrite:
         raise ConfigError("--overwrite starts a run again from scratch; it cannot be combined with --resume")
-    try:
-        trainer, point, lock = _start(args, resume, overwrite)
-    except KeyboardInterrupt:
-        print("palestra train: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
-    resumed_from = point.path if point is not None else None
-    point = None  # the loaded state is in the trainer now: let it go
-    try:
-        return _train_and_report(trainer, resumed_from, resume)
-    finally:
-        if lock is not None:
-            lock.release(tidy=True)  # a run that failed and left nothing takes its folder with it
+    # The handlers stay for the whole command, not only the steps: a signal while the models are built, or after the
+    # last step (the table, the dashboard, the export), is answered in one line with the signal's exit status too.
+    signals = StopSignals()
+    with signals:
+        signals.immediate = True  # starting: nothing to save yet, and building may take minutes
+        try:
+            trainer, point, lock = _start(args, resume, overwrite)
+            signals.immediate = False
+        except Interrupted as e:
+            if os.environ.get("RANK", "0").strip() in ("", "0"):  # torchrun signals every rank: one line
+                print(f"palestra train: {_start_line(e.signum, resume)}", file=sys.stderr)
+            return e.exit_code
+        trainer.stop_signals = signals  # the trainer's own block nests in this one: one flag for the whole command
+        resumed_from = point.path if point is not None else None
+        point = None  # the loaded state is in the trainer now: let it go
+        try:
+            return _train_and_report(trainer, resumed_from, resume)
+        except Interrupted as e:  # a second signal between two phases: say what the last checkpoint holds
+            if e.saved_step is None:
+                e.saved_step, e.run_dir = trainer.saved_step, trainer.run_dir
+            if trainer.dist.is_main:
+                print(f"palestra train: {e.line()}", file=sys.stderr)
+            return e.exit_code
+        finally:
+            if lock is not None:
+                lock.release(tidy=True)  # a run that failed and left nothing takes its folder with it
+
+
+def _start_line(signum: int, resume: str | None) -> str:
+    name = signal.Signals(signum).name
+    if resume is None:
+        return f"stopped by {name} before training started; nothing was saved"
+    return (
+        f"stopped by {name} before training resumed; {resume} is as it was: "
+        f"resume with palestra train --resume {resume}"
+    )
 
 
 def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str | None) -> int:
@@ -216,17 +245,60 @@ def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str |
     finally:
         trainer.dist.close()
     if result is None or not main:
+        # A rank other than 0 that finished training has nothing left to write: it leaves with 0 even after a
+        # signal, since torchrun answers a rank that fails by sending SIGTERM to rank 0, still writing the export.
         return end_rank(trainer.dist, code)
-    print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
-    for line in format_before_after(result.before, result.after):
-        print(line)
-    if (result.run_dir / "metrics.jsonl").exists():
-        from palestra.cli.dashboard import plot_dashboard
+    return end_rank(trainer.dist, _finish(trainer, result))
 
-        print(f"plot: {plot_dashboard(result.run_dir)}")
+
+def _finish(trainer: Trainer, result: TrainResult) -> int:
+    """The last phase, on rank 0: the result, the table, the dashboard and the export; 0, or the exit status of a
+    signal that came during it or after the last step. A first signal lets all of it be written (the run is complete
+    but for it), then ends the command with one line; a second one ends it at once, with one line naming what was
+    not written and the command that writes it."""
+    from palestra.engine.checkpoint import FINAL_NAME
+
+    config, run_dir = trainer.config, result.run_dir
+    plots = (run_dir / "metrics.jsonl").exists()
+    pending = {}  # what is still to write: the line names it, with the command that writes it later
+    if plots:
+        pending["dashboard"] = f"the dashboard (palestra plot {run_dir})"
     if config.train.export:
-        print(export_at_end(trainer, result.run_dir))
-    return end_rank(trainer.dist, 0)
+        out = export_path(config, run_dir)
+        pending["export"] = f"the export {out} (palestra export {run_dir} --out {out})"
+    try:
+        print(f"trained {result.steps} steps in {result.seconds:.1f} s; run directory {result.run_dir}")
+        for line in format_before_after(result.before, result.after):
+            print(line)
+        if plots:
+            from palestra.cli.dashboard import plot_dashboard
+
+            print(f"plot: {plot_dashboard(result.run_dir)}")
+            del pending["dashboard"]
+        if config.train.export:
+            print(export_at_end(trainer, result.run_dir))
+            del pending["export"]
+    except Interrupted as e:  # a second signal
+        missing = f"; not written: {', '.join(pending.values())}" if pending else ""
+        return _last_line(
+            f"stopped at once by a second {signal.Signals(e.signum).name} after the last step: the run is complete "
+            f"and saved in {run_dir} ({FINAL_NAME}, step {result.steps}){missing}",
+            e.exit_code,
+        )
+    received = trainer.stop_signals.received
+    if received is None:
+        return 0
+    return _last_line(
+        f"stopped by {signal.Signals(received).name} after the last step, once everything was written: "
+        f"the run is complete and saved in {run_dir}",
+        128 + received,
+    )
+
+
+def _last_line(line: str, code: int) -> int:
+    sys.stdout.flush()  # the table and the paths first, then the line that ends the command
+    print(f"palestra train: {line}", file=sys.stderr)
+    return code
 
 
 def export_path(config: Config, run_dir: Path) -> Path:
@@ -265,7 +337,7 @@ def check_export(config: Config, run_dir: Path, *, overwrite: bool, run_id: str 
 def export_at_end(trainer: Trainer, run_dir: Path) -> str:
     """Write the trained policy where ``train.export`` says (a run's own earlier export is replaced); the line
     saying what was written."""
-    from palestra.cli.export import ExportError, describe_export, is_export_of, write_export
+    from palestra.cli.export import ExportError, ExportWriteFailed, describe_export, is_export_of, write_export
     from palestra.engine.checkpoint import FINAL_NAME
 
     config = trainer.config
@@ -286,9 +358,10 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
             replace=is_export_of(out, trainer.run_id),
         )
     except OSError as e:  # a full disk, say: the run itself is saved, so say how to export it again
+        what = str(e) if isinstance(e, ExportWriteFailed) else f"writing {out} failed ({e})"
         raise ExportError(
-            f"train.export: writing {out} failed ({e}); the trained run is saved in {run_dir}: "
-            f"palestra export {run_dir} --out DIR writes it"
+            f"train.export: {what}; the trained run is saved in {run_dir}: "
+            f"palestra export {run_dir} --out {out} writes it"
         ) from None
     return describe_export(out, run=f"{run_dir} step {trainer.step_index}")
 

@@ -42,6 +42,7 @@ import contextlib
 import errno
 import hashlib
 import importlib
+import io
 import json
 import os
 import pickle
@@ -164,9 +165,9 @@ def write_atomic(target: str | Path, write: Callable[[Path], object], *, needs: 
     file needed (``needs``, bytes, when the caller knows) and how much was free.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)  # a full disk may refuse the folder itself
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -175,6 +176,7 @@ def write_atomic(target: str | Path, write: Callable[[Path], object], *, needs: 
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
+        tmp.unlink(missing_ok=True)  # first, so that the free space the line reports counts the partial file's
         full = DiskFull(_disk_full_message(target, needs))
         full.errno = e.errno
         raise full from e
@@ -204,9 +206,39 @@ def _human(n: int) -> str:
 
 
 def _write_state(state: Mapping[str, Any], tmp: Path) -> None:
-    """Serialise ``state`` into ``tmp``: the one place a checkpoint's bytes reach the disk."""
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+    """Serialise ``state`` into ``tmp``: the one place a checkpoint's bytes reach the disk.
+
+    torch's zip writer turns a failed write (a full disk) into ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``, which names no cause: the file it writes to keeps the ``OSError`` the
+    disk raised, and that is what this raises.
+    """
+    with _KeepsWriteErrors(io.FileIO(tmp, "wb")) as f:
+        try:
+            torch.save(state, f)
+        except Exception as e:
+            if f.error is None or e is f.error:
+                raise
+            raise f.error from None  # the cause, not torch's account of it
+
+
+class _KeepsWriteErrors(io.BufferedWriter):
+    """A buffered binary file that records the first ``OSError`` a write or a flush raised."""
+
+    error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return super().write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 def save_checkpoint(state: Mapping[str, Any], target: str | Path) -> Path:

@@ -259,7 +259,8 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Train to ``train.steps``. SIGINT/SIGTERM/SIGHUP end it at the next step boundary, after a checkpoint, with
-        :class:`Interrupted` (see :meth:`_stop_if_signalled`)."""
+        :class:`Interrupted` (see :meth:`_stop_if_signalled`); one that comes after the last step lets the final
+        evaluation and checkpoint finish and stays in ``stop_signals.received``. A second signal raises at once."""
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.check_run_folder(self.run_dir)  # a link in the folder: refused before anything is cut or written
@@ -315,11 +316,18 @@ class Trainer:
         return after
 
     def _stop_if_signalled(self) -> None:
-        """At a step boundary: if a rank got SIGINT/SIGTERM/SIGHUP, save this step and raise :class:`Interrupted`.
+        """At a step boundary before the last: if a rank got SIGINT/SIGTERM/SIGHUP, save this step and raise
+        :class:`Interrupted`. After the last step the run finishes instead, leaving the signal in
+        ``stop_signals.received`` for the caller.
 
         Every rank takes part (one all-reduce of a flag per step), so all stop at the same step; the signal
         reported (and so the exit status) is rank 0's when it got one.
         """
+        if self.step_index >= self.config.train.steps:
+            # The last step is done: the final evaluation and checkpoint follow (and, from palestra train, the
+            # table, the dashboard and the export); the command then exits with the signal's status. Every rank
+            # is at the same step, so all skip the collective below.
+            return
         if not self.dist.any_true(self.stop_signals.received is not None):
             return
         signum = next(s for s in self.dist.all_gather_object(self.stop_signals.received) if s is not None)

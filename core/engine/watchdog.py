@@ -234,8 +234,14 @@ class StopSignals:
     The first signal only sets :attr:`received` (a handler may run anywhere in the main thread, in the middle of a
     step or a checkpoint write, so it does nothing else); the trainer checks it between steps, saves and raises
     :class:`Interrupted`. A second signal raises :class:`Interrupted` at once (``at_once``): whoever sent it wants the
-    process gone now. Handlers can only be installed from the main thread; elsewhere this does nothing. A signal the
-    process was started ignoring (SIG_IGN: a background job, nohup) stays ignored.
+    process gone now. While :attr:`immediate` is set (``palestra train`` starting up: nothing to save yet, and
+    building the models may take minutes) the first signal raises at once too. Handlers can only be installed from
+    the main thread; elsewhere this does nothing. A signal the process was started ignoring (SIG_IGN: a background
+    job, nohup) stays ignored.
+
+    Blocks nest: ``palestra train`` holds the handlers for the whole command (start-up, training, and the last phase
+    that writes the table, the dashboard and the export), and the trainer's own block inside it changes nothing, so
+    a signal in any phase is seen by whoever checks :attr:`received` last.
     """
 
     # SIGHUP too: a closed terminal or a dropped ssh session is a request to stop, not a reason to lose the steps
@@ -243,9 +249,14 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.immediate = False
         self._previous: dict[int, Any] = {}
+        self._depth = 0
 
     def __enter__(self) -> StopSignals:
+        self._depth += 1
+        if self._depth > 1:  # an outer block installed them: a signal it saw must not be forgotten
+            return self
         self.received = None
         if threading.current_thread() is not threading.main_thread():
             return self
@@ -258,11 +269,16 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if not first or self.immediate:
             raise Interrupted(signum, at_once=True)
-        self.received = signum
