@@ -151,6 +151,11 @@ def old_mappo_layout(flat: dict[str, Any]) -> bool:
     return any(key.startswith("optimizer.critic.") for key in flat)
 
 
+# Keys later commits added, each with a value that does not change training: a LoRA base's fingerprint (issue 23),
+# the torch thread count and its config key (issue 27). Dropped from the after side when the before side lacks them.
+ADDED_KEYS = ("base_fingerprint", "threads", "config.train.threads")
+
+
 def compare_checkpoints(a: Path, b: Path) -> str | None:
     import torch
 
@@ -169,6 +174,9 @@ def compare_checkpoints(a: Path, b: Path) -> str | None:
             # logged file sizes follow the metrics' wall-clock text; numpy's global RNG is never seeded or used by
             # a run (it is saved so that a plugin that uses it resumes exactly), so it differs between any two runs
             del flat[key]
+    for key in ADDED_KEYS:
+        if key in fb and key not in fa:
+            del fb[key]
     if set(fa) != set(fb):
         only_before, only_after = sorted(set(fa) - set(fb))[:3], sorted(set(fb) - set(fa))[:3]
         return f"checkpoint keys differ: only before {only_before}, only after {only_after}"

@@ -175,13 +175,12 @@ def run(args: argparse.Namespace) -> int:
     with signals:
         signals.immediate = True  # starting: nothing to save yet, and building may take minutes
         try:
-            trainer, point, lock = _start(args, resume, overwrite)
+            trainer, point, lock = _start(args, resume, overwrite, signals)
             signals.immediate = False
         except Interrupted as e:
             if os.environ.get("RANK", "0").strip() in ("", "0"):  # torchrun signals every rank: one line
                 print(f"palestra train: {_start_line(e.signum, resume)}", file=sys.stderr)
             return e.exit_code
-        trainer.stop_signals = signals  # the trainer's own block nests in this one: one flag for the whole command
         resumed_from = point.path if point is not None else None
         point = None  # the loaded state is in the trainer now: let it go
         try:
@@ -367,7 +366,7 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
 
 
 def _start(
-    args: argparse.Namespace, resume: str | None, overwrite: bool
+    args: argparse.Namespace, resume: str | None, overwrite: bool, signals: StopSignals
 ) -> tuple[Trainer, ResumePoint | None, RunLock | None]:
     """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
     directory claimed: locked by this process (rank 0) for the whole run, then a new run refuses one that holds a
@@ -402,7 +401,7 @@ def _start(
             ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
             lock = RunLock.acquire(run_dir) if locks else None
             ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
-        trainer = _build(args, config, run_dir, point, overwrite)
+        trainer = _build(args, config, run_dir, point, overwrite, signals)
     except BaseException:
         if lock is not None:
             lock.release(tidy=True)
@@ -411,19 +410,35 @@ def _start(
 
 
 def _build(
-    args: argparse.Namespace, config: Config, run_dir: Path, point: ResumePoint | None, overwrite: bool
+    args: argparse.Namespace,
+    config: Config,
+    run_dir: Path,
+    point: ResumePoint | None,
+    overwrite: bool,
+    signals: StopSignals,
 ) -> Trainer:
     """The trainer, checked against this machine, with the checkpoint loaded; rank 0 prepares the run directory."""
+    import torch
+
     from palestra.config.preflight import preflight  # torch is only imported once the config is valid
     from palestra.engine import checkpoint as ckpt
     from palestra.engine.trainer import Trainer
+    from palestra.scale.cpu_threads import apply_threads, choose_threads
+
+    # Threads before anything is built: loading a model is parallel work too. A resumed run takes the count its
+    # checkpoint recorded (reductions split by thread: the same count keeps the resume bitwise).
+    saved = point.state.get("threads") if point is not None else None
+    choice = choose_threads(config.train.threads, torch.get_num_threads(), saved=saved)
+    apply_threads(choice)
+    if choice.line and os.environ.get("RANK", "0").strip() in ("", "0"):
+        print(choice.line, file=sys.stderr)
 
     # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
     preflight(config, run_dir=run_dir if point is not None else None)
 
     check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)
     # builds and checks every component: a bad one stops here, with one line
-    trainer = Trainer(config, run_dir=run_dir)
+    trainer = Trainer(config, run_dir=run_dir, stop_signals=signals)
     try:
         if config.train.export and trainer.dist.fsdp:
             raise ConfigError(

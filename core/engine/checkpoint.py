@@ -1010,6 +1010,7 @@ def capture_state(
         "logs": log_sizes(run.loggers, run_dir),
         "config": run.config.to_dict(),
         "base_fingerprint": base_fingerprint(run.policy),  # a LoRA run's frozen base, checked when it is rebuilt
+        "threads": torch.get_num_threads(),  # a resume takes the same count: reductions split by thread
     }
 
 

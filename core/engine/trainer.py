@@ -106,7 +106,12 @@ class Trainer:
     """
 
     def __init__(
-        self, config: Config, *, run_dir: str | Path | None = None, components: RunComponents | None = None
+        self,
+        config: Config,
+        *,
+        run_dir: str | Path | None = None,
+        components: RunComponents | None = None,
+        stop_signals: StopSignals | None = None,
     ) -> None:
         if components is None:
             components = build_run(config, DistributedContext.from_config(config, config.train.device))
@@ -139,7 +144,9 @@ class Trainer:
             groups_short=self.algorithm.groups_short,
         )
         self.local_batch_size = self.sampler.local_batch_size
-        self.stop_signals = StopSignals()
+        # palestra train passes the handlers it holds for the whole command (start-up and the last phase too); the
+        # trainer's own block nests in it, so one signal is one flag whichever phase it arrives in.
+        self.stop_signals = stop_signals if stop_signals is not None else StopSignals()
         # Written into every checkpoint, so that resume never continues another run that used the same directory.
         # Rank 0's id on every rank: the checkpoints it writes and run.json agree.
         self.run_id: str = self.dist.broadcast_object(uuid.uuid4().hex)

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ThreadChoice", "apply_threads", "choose_threads", "idle_cores"]
 
@@ -71,15 +72,24 @@ def idle_cores(cpus: list[int], window_s: float = 0.25) -> float:
         return float(len(cpus))
 
 
-def choose_threads(configured: int | None, default: int, *, environ: dict[str, str] | None = None) -> ThreadChoice:
+def choose_threads(
+    configured: int | None, default: int, *, saved: Any = None, environ: dict[str, str] | None = None
+) -> ThreadChoice:
     """The thread count for a run: ``configured`` (``train.threads``) when set, torch's own choice when
-    ``OMP_NUM_THREADS`` is set, else as many as the cores found idle (at least 1, at most ``default``, torch's
-    one-per-physical-core)."""
+    ``OMP_NUM_THREADS`` is set, a resumed run's ``saved`` count (its checkpoint's), else as many as the cores found
+    idle (at least 1, at most ``default``, torch's one-per-physical-core)."""
     environ = dict(os.environ) if environ is None else environ
     if configured is not None:
         return ThreadChoice(configured, "train.threads")
     if environ.get("OMP_NUM_THREADS", "").strip():
         return ThreadChoice(default, "OMP_NUM_THREADS")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+        plural = "s" if saved > 1 else ""
+        line = (
+            f"palestra: {saved} CPU thread{plural}, as the run was started with (its checkpoint says so; the same "
+            "count keeps a resume bitwise); set train.threads or OMP_NUM_THREADS to choose"
+        )
+        return ThreadChoice(saved, "checkpoint", line)
     cpus = _cpu_ids()
     idle = idle_cores(cpus)
     threads = max(1, min(default, math.floor(idle + 0.25)))  # a core 75 % idle counts as free

@@ -199,3 +199,38 @@ def test_perf_and_diagnostics_fit_the_bulk_and_mark_outliers_and_legends_stay_ou
     assert legend.x0 >= box.x1  # beside the curves, not over them
     assert reward.get_ylim()[1] >= 1.0  # the reward keeps its whole range
     assert "clip fraction: 0" in axes["constants"].texts[0].get_text()
+
+
+def test_a_resumed_run_takes_the_thread_count_its_checkpoint_recorded() -> None:
+    chosen = choose_threads(None, 2, saved=1, environ={})
+    assert (chosen.threads, chosen.source) == (1, "checkpoint") and "keeps a resume bitwise" in chosen.line
+    assert choose_threads(2, 2, saved=1, environ={}).threads == 2  # train.threads still wins
+    assert choose_threads(None, 2, saved=1, environ={"OMP_NUM_THREADS": "2"}).source == "OMP_NUM_THREADS"
+
+
+@pytest.mark.slow
+def test_palestra_train_says_its_thread_choice_once_and_records_it(tmp_path: Path) -> None:
+    from train_processes import clean_env
+
+    from palestra.engine.checkpoint import load_checkpoint
+
+    env = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    args = [sys.executable, "-m", "palestra", "train", "train.steps=2", "train.eval_size=2", "run.output_dir=runs"]
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "CPU thread" in line]
+    assert len(said) == 1 and said[0].startswith("palestra: ") and "set train.threads" in said[0], done.stderr
+    threads = int(said[0].split()[1])
+    state = load_checkpoint(next((tmp_path / "runs").glob("*/checkpoint.pt")))
+    assert state["threads"] == threads
+    pinned = subprocess.run(
+        [*args, "run.name=pinned", "train.threads=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert pinned.returncode == 0 and "CPU thread" not in pinned.stderr, pinned.stderr[-2000:]
+    assert load_checkpoint(tmp_path / "runs" / "pinned" / "checkpoint.pt")["threads"] == 1
