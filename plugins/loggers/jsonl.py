@@ -106,6 +106,9 @@ class JsonlLogger:
         self.path = Path(run_dir) / self.options.filename
         flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK  # O_NONBLOCK: a FIFO planted there never hangs
         try:
+            # The run folder itself may not exist yet (a logger opened outside palestra train): make it, then open
+            # inside it without following any link.
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             fd = open_in(run_dir, PurePath(self.options.filename).as_posix(), flags, make_dirs=True)
         except OSError as e:
             raise LogWriteError(f"jsonl logger: cannot open {self.path}: {e.strerror or e}") from None
