@@ -96,6 +96,7 @@ def gather_rows(sources: Sequence[tuple[Experience, torch.Tensor | None]], pad_t
     (a 1-D index tensor; None: all of them). The same tensors, bit for bit, as ``Experience.concat`` of each
     ``batch.select(rows)`` (widths: the widest source's prompt and completion), without its intermediate copies: each
     field is allocated once at its final shape and only the given rows are copied into it."""
+    picks = [None if rows is None else rows.to(b.completion_ids.device) for b, rows in sources]
     counts = [b.batch_size if rows is None else int(rows.numel()) for b, rows in sources]
     widths = {
         "left": max(b.prompt_ids.shape[1] for b, _ in sources),
@@ -110,7 +111,7 @@ def gather_rows(sources: Sequence[tuple[Experience, torch.Tensor | None]], pad_t
         if any(x is None for x in parts):
             raise ValueError(f"ReplayBuffer.mix: {name} is set in some batches and not in others")
         value = (0 if pad_token_id is None else pad_token_id) if fill == "pad" else fill
-        fields[name] = gather_field(name, parts, [rows for _, rows in sources], counts, widths[side], side, value)
+        fields[name] = gather_field(name, parts, picks, counts, widths[side], side, value)
     return Experience(**fields, agent_ids=gather_agents(sources))
 
 
@@ -137,15 +138,15 @@ def gather_field(
     out = torch.full(shape, fill, dtype=dtype, device=parts[0].device)
     start = 0
     for x, rows, n in zip(parts, picks, counts):
-        w = x.shape[1] if x.dim() == 2 else width
-        columns = slice(width - w, width) if side == "left" else slice(0, w)
-        target = out[start : start + n] if x.dim() == 1 else out[start : start + n, columns]
+        target = out.narrow(0, start, n)  # narrow, not slicing: this loop runs fields x stored batches times a draw
+        if x.dim() == 2 and x.shape[1] != width:
+            target = target.narrow(1, width - x.shape[1] if side == "left" else 0, x.shape[1])
         if rows is None:
             target.copy_(x)
         elif target.is_contiguous() and x.dtype == dtype:
-            torch.index_select(x, 0, rows.to(x.device), out=target)  # straight into place: the common case
+            torch.index_select(x, 0, rows, out=target)  # straight into place: the common case
         else:
-            target.copy_(x.index_select(0, rows.to(x.device)))  # a narrower or other-dtype source: via its rows only
+            target.copy_(x.index_select(0, rows))  # a narrower or other-dtype source: via its picked rows only
         start += n
     return out
 
