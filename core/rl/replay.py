@@ -75,6 +75,89 @@ def replay_fields(batch: Experience, *, copy: bool) -> Experience:
     )
 
 
+# How each kept field is laid out in a batch of rows: prompts are left-padded, completions right-padded; a [B] field
+# (rewards, group ids, a per-row advantage) has no width. The fill value: the pad token for ids (None: the tokenizer
+# has no pad token), False for masks, 0 for the per-token floats (Experience.concat's padding, value for value).
+LAYOUT = {
+    "prompt_ids": ("left", "pad"),
+    "prompt_mask": ("left", False),
+    "completion_ids": ("right", "pad"),
+    "completion_mask": ("right", False),
+    "behaviour_logprobs": ("right", 0),
+    "rewards": ("right", 0),
+    "advantages": ("right", 0),
+    "group_ids": ("right", 0),
+    "ref_logprobs": ("right", 0),
+}
+
+
+def gather_rows(sources: Sequence[tuple[Experience, torch.Tensor | None]], pad_token_id: int | None) -> Experience:
+    """One batch of the kept fields of ``sources``' rows, in order: each ``(batch, rows)`` gives ``batch``'s ``rows``
+    (a 1-D index tensor; None: all of them). The same tensors, bit for bit, as ``Experience.concat`` of each
+    ``batch.select(rows)`` (widths: the widest source's prompt and completion), without its intermediate copies: each
+    field is allocated once at its final shape and only the given rows are copied into it."""
+    picks = [None if rows is None else rows.to(b.completion_ids.device) for b, rows in sources]
+    counts = [b.batch_size if rows is None else int(rows.numel()) for b, rows in sources]
+    widths = {
+        "left": max(b.prompt_ids.shape[1] for b, _ in sources),
+        "right": max(b.completion_ids.shape[1] for b, _ in sources),
+    }
+    fields: dict[str, Any] = {}
+    for name, (side, fill) in LAYOUT.items():
+        parts = [getattr(b, name) for b, _ in sources]
+        if all(x is None for x in parts):
+            fields[name] = None
+            continue
+        if any(x is None for x in parts):
+            raise ValueError(f"ReplayBuffer.mix: {name} is set in some batches and not in others")
+        value = (0 if pad_token_id is None else pad_token_id) if fill == "pad" else fill
+        fields[name] = gather_field(name, parts, picks, counts, widths[side], side, value)
+    return Experience(**fields, agent_ids=gather_agents(sources))
+
+
+def gather_field(
+    name: str,
+    parts: Sequence[torch.Tensor],
+    picks: Sequence[torch.Tensor | None],
+    counts: Sequence[int],
+    width: int,
+    side: str,
+    fill: Any,
+) -> torch.Tensor:
+    """One field of :func:`gather_rows`: ``parts[i]``'s rows ``picks[i]`` (None: all), stacked and padded on
+    ``side`` to ``width`` with ``fill`` (a [B] field: no padding); the dtype the parts promote to, as torch.cat's."""
+    import functools
+
+    import torch
+
+    dims = {x.dim() for x in parts}
+    if len(dims) != 1 or not dims <= {1, 2}:
+        raise ValueError(f"ReplayBuffer.mix: {name} has shapes {[list(x.shape) for x in parts]} across batches")
+    dtype = functools.reduce(torch.promote_types, (x.dtype for x in parts))
+    shape = (sum(counts), width) if dims == {2} else (sum(counts),)
+    out = torch.full(shape, fill, dtype=dtype, device=parts[0].device)
+    start = 0
+    for x, rows, n in zip(parts, picks, counts):
+        target = out.narrow(0, start, n)  # narrow, not slicing: this loop runs fields x stored batches times a draw
+        if x.dim() == 2 and x.shape[1] != width:
+            target = target.narrow(1, width - x.shape[1] if side == "left" else 0, x.shape[1])
+        if rows is None:
+            target.copy_(x)
+        elif target.is_contiguous() and x.dtype == dtype:
+            torch.index_select(x, 0, rows, out=target)  # straight into place: the common case
+        else:
+            target.copy_(x.index_select(0, rows))  # a narrower or other-dtype source: via its picked rows only
+        start += n
+    return out
+
+
+def gather_agents(sources: Sequence[tuple[Experience, torch.Tensor | None]]) -> list[Any]:
+    out: list[Any] = []
+    for b, rows in sources:
+        out.extend(b.agent_ids if rows is None else [b.agent_ids[i] for i in rows.tolist()])
+    return out
+
+
 class ReplayBuffer:
     """The rows of the last ``capacity`` batches; :meth:`mix` adds ``rows`` of them, drawn uniformly without
     replacement, to a fresh batch. Its state (:meth:`state`, :meth:`load`) goes into the algorithm's checkpoint, so
@@ -93,7 +176,8 @@ class ReplayBuffer:
     def add(self, batch: Experience) -> None:
         """Keep ``batch``'s rows (with ``informative_only``, those whose advantage is not 0); the oldest batch goes
         once ``capacity`` are kept. A batch with no informative row still takes its place in the window."""
-        kept = replay_fields(batch, copy=True)
+        # One copy of the kept rows, never two: with informative_only the row selection is that copy.
+        kept = replay_fields(batch, copy=not self.informative_only)
         if self.informative_only:
             import torch
 
@@ -101,12 +185,13 @@ class ReplayBuffer:
             kept = kept.select(torch.nonzero(informative).flatten())
         self.batches.append(kept)
 
-    def mix(self, batch: Experience, generator: torch.Generator, *, pad_token_id: int) -> Experience:
+    def mix(self, batch: Experience, generator: torch.Generator, *, pad_token_id: int | None) -> Experience:
         """``batch``'s rows followed by up to ``rows`` stored rows (all re-padded with ``pad_token_id``); ``batch``
         itself when nothing is stored.
 
-        The draw is a permutation of all stored rows (so its use of ``generator`` depends only on their number);
-        only the picked rows are gathered, batch by batch, rather than the whole buffer.
+        The draw is a permutation of all stored rows (so its use of ``generator`` depends only on their number); the
+        picked rows come in stored order. Only they are read: each field of the result is allocated once, at its
+        final shape, and the fresh rows and the picked ones are copied straight into it (:func:`gather_rows`).
         """
         total = self.stored_rows
         if total == 0:
@@ -114,15 +199,21 @@ class ReplayBuffer:
         import torch
 
         picked = torch.randperm(total, generator=generator)[: self.rows].sort().values
+        return gather_rows([(replay_fields(batch, copy=False), None), *self.drawn(picked)], pad_token_id)
+
+    def drawn(self, picked: torch.Tensor) -> list[tuple[Experience, torch.Tensor]]:
+        """``picked`` (sorted indices into the stored rows, oldest batch first) as (stored batch, its local rows)
+        pairs, one per batch with a pick."""
+        import torch
+
         sizes = torch.tensor([0] + [b.batch_size for b in self.batches])
         starts = sizes.cumsum(0)  # starts[i]: the first row of stored batch i; starts[-1] == total
         cuts = torch.searchsorted(picked, starts).tolist()  # picked[cuts[i]:cuts[i + 1]] fall in batch i
-        pieces = [
-            stored.select(picked[lo:hi] - int(starts[i]))
+        return [
+            (stored, picked[lo:hi] - int(starts[i]))
             for i, (stored, lo, hi) in enumerate(zip(self.batches, cuts, cuts[1:]))
             if hi > lo
         ]
-        return Experience.concat([replay_fields(batch, copy=False), *pieces], pad_token_id=pad_token_id)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state(self) -> list[dict[str, Any]]:
