@@ -540,7 +540,9 @@ class GradientCheckpointing(Protocol):
 @runtime_checkable
 class Exportable(Protocol):
     """A policy with a transformers form (optional): ``palestra export`` and ``train.export`` write it with
-    ``save_pretrained(folder, merge_lora=...)`` (``merge_lora``: fold LoRA adapters into the weights)."""
+    ``save_pretrained(folder, merge_lora=...)`` (``merge_lora``: fold LoRA adapters into the weights), and with
+    ``dtype=`` (a ``torch.dtype``) when the user asks for one (``palestra export --dtype``); a policy that takes
+    ``dtype`` writes its weights in it, and in the dtype it read them in when it is None."""
 
     def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None: ...
 

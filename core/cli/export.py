@@ -19,23 +19,26 @@ hidden folders of exports that were killed mid-write (their process is gone) are
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import errno
 import glob
-import importlib.util
+import inspect
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from palestra.config import Config, ConfigError, validate_config
+from palestra.models.progress_bars import transformers_bars_off
 
 PROVENANCE = "palestra_export.json"  # what the folder was exported from (read back to recognise our own exports)
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ExportError(ValueError):
@@ -76,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="LoRA runs: fold the adapters into the weights (the default) or, with --no-merge-lora, "
         "write the base model plus the peft adapter; a note when the policy has no adapters",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default=None,
+        help="the weights' dtype in the folder (default: the dtype the model was read in: bfloat16 for a GGUF, "
+        "the saved dtype of a transformers folder, float32 for the built-in tiny policy)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an --out folder that already holds files")
     parser.add_argument(
         "--set",
@@ -113,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
         "run_id": state.get("run_id"),
     }
     write_export(
-        policy, out, policy_name=config.policy.name, merge_lora=merge, provenance=provenance, replace=args.force
+        policy,
+        out,
+        policy_name=config.policy.name,
+        merge_lora=merge,
+        provenance=provenance,
+        replace=args.force,
+        dtype=args.dtype,
     )
     print(describe_export(out, run=f"{run_dir} step {int(state['step'])}"))
     return 0
@@ -316,7 +332,14 @@ def export_targets(policy: Any) -> dict[str, Any]:
 
 
 def write_export(
-    policy: Any, out: Path, *, policy_name: str, merge_lora: bool, provenance: dict[str, Any], replace: bool
+    policy: Any,
+    out: Path,
+    *,
+    policy_name: str,
+    merge_lora: bool,
+    provenance: dict[str, Any],
+    replace: bool,
+    dtype: str | None = None,
 ) -> Path:
     """Write ``policy`` (every model of it, see :func:`export_targets`) into ``out`` atomically: into a hidden sibling
     folder first, renamed into place when complete; ``replace`` swaps out an existing folder the same way.
@@ -334,17 +357,19 @@ def write_export(
         for sub, model in targets.items():
             folder = tmp / sub if sub else tmp
             folder.mkdir(exist_ok=True)
-            _save(model, folder, policy_name=policy_name, merge_lora=merge_lora)
+            _save(model, folder, policy_name=policy_name, merge_lora=merge_lora, dtype=dtype)
         record = {
             **provenance,
             "policy": policy_name,
             "merge_lora": merge_lora,
+            "dtype": dtype,  # None: each model in the dtype it was read in
             "adapters": any(has_adapters(m) for m in targets.values()),
             "models": sorted(targets) if len(targets) > 1 else None,
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         _repoint_adapters(tmp, out)
+        _usual_modes(tmp)
         _swap_into_place(tmp, out, replace=replace)
     except ExportError:
         raise
@@ -411,7 +436,17 @@ def _sweep_dead_exports(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> None:
+def _usual_modes(folder: Path) -> None:
+    """Give every file and folder of an export the modes a new file gets here (0644 and 0755 under the usual umask):
+    safetensors writes its file 0600, which would keep the weights from everyone but their writer."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool, dtype: str | None = None) -> None:
     from palestra.types import Exportable
 
     if not isinstance(policy, Exportable):
@@ -421,30 +456,21 @@ def _save(policy: Any, folder: Path, *, policy_name: str, merge_lora: bool) -> N
         )
     import torch
 
+    options: dict[str, Any] = {"merge_lora": merge_lora}
+    if dtype is not None:
+        if "dtype" not in inspect.signature(policy.save_pretrained).parameters:
+            raise ExportError(
+                f"--dtype: policy {policy_name!r} ({type(policy).__name__}) writes its weights in its own dtype "
+                "(its save_pretrained takes no dtype); export without --dtype"
+            )
+        options["dtype"] = getattr(torch, dtype)
     try:
-        with torch.no_grad(), _quiet_progress_bars():
-            policy.save_pretrained(folder, merge_lora=merge_lora)
+        with torch.no_grad(), transformers_bars_off():
+            policy.save_pretrained(folder, **options)
     except ModuleNotFoundError as e:
         raise ExportError(
             f"exporting policy {policy_name!r} needs the {e.name} package; pip install 'palestra[hf]'"
         ) from None
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """transformers draws a progress bar per saved shard on stderr: noise in a command that prints one line."""
-    if importlib.util.find_spec("transformers") is None:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
 
 
 def _repoint_adapters(tmp: Path, out: Path) -> None:

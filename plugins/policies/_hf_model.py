@@ -23,6 +23,7 @@ import torch
 
 from palestra.config import ConfigError, check_options
 from palestra.models.policy import CausalLMPolicy
+from palestra.models.progress_bars import transformers_bars_off
 from palestra.plugins.policies.hf import (
     WHERE,
     HFOptions,
@@ -282,12 +283,16 @@ class HFPolicy(CausalLMPolicy):
         config = _read_config(transformers, src, common)
         self._check_causal(config, src.source, src.model_key)
         dtype = _resolve_dtype(o.dtype, config)
+        # What an export writes by default: the dtype the weights came in. A GGUF holds 16-bit or quantised values,
+        # so bf16 keeps them (float32 would quadruple a 100 MB file into 540 MB of the same numbers, near enough).
+        self.source_dtype = torch.bfloat16 if src.from_file and o.dtype == "auto" else dtype
         self.tokenizer = _load_tokenizer(transformers, src, config, common)
         rows = _vocab_rows(config)
         if rows is not None:  # before loading any weights: a mismatch should not cost a 10 GB read
             _check_tokenizer_fits(self.tokenizer, rows, **src.paths)
         self._use_chat = self._chat_choice(o.chat_template, src.tok_key, src.tok_dir)
-        model = _load_model(transformers, src, o.attn_implementation, dtype, common)
+        with transformers_bars_off(unless_terminal=True):  # a log file gets no redrawn bars
+            model = _load_model(transformers, src, o.attn_implementation, dtype, common)
         _check_tokenizer_fits(self.tokenizer, model.get_input_embeddings().num_embeddings, **src.paths)
         if o.gradient_checkpointing:
             self._enable_checkpointing(model, src.source)
@@ -438,18 +443,28 @@ class HFPolicy(CausalLMPolicy):
         return self.tokenizer.encode(observation.prompt)
 
     # -- export --
-    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
+    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True, dtype: torch.dtype | None = None) -> None:
         """Write a transformers folder that ``AutoModelForCausalLM.from_pretrained(folder)`` loads and
-        ``policy: hf`` trains further: safetensors weights, ``config.json`` (never a ``quantization_config``:
-        GGUF weights were dequantised on load), ``generation_config.json``, and the tokenizer files with the
-        chat template. The value head (PPO) is not part of a causal LM and is not written. ``merge_lora`` is
-        accepted like every policy's; this one has no adapters (see :class:`LoRAHFPolicy`)."""
+        ``policy: hf`` trains further: safetensors weights in ``dtype`` (None: :attr:`source_dtype`, the dtype the
+        weights were read in; bf16 for a GGUF), ``config.json`` (never a ``quantization_config``: GGUF weights were
+        dequantised on load), ``generation_config.json``, and the tokenizer files with the chat template. The value
+        head (PPO) is not part of a causal LM and is not written. ``merge_lora`` is accepted like every policy's;
+        this one has no adapters (see :class:`LoRAHFPolicy`)."""
         del merge_lora  # every weight is a plain tensor: nothing to merge
-        self._write_folder(self.hf_model, Path(folder))
+        self._write_folder(self.hf_model, Path(folder), dtype or self.source_dtype)
 
-    def _write_folder(self, model: Any, folder: Path) -> None:
+    def _write_folder(self, model: Any, folder: Path, dtype: torch.dtype) -> None:
+        """``model`` written in ``dtype`` without casting it: the live policy keeps its weights as they are."""
         folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder)
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.save_pretrained(folder, state_dict=weights)
+        # transformers writes the live model's dtype into config.json; it must say what the files hold
+        config_file = folder / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = str(dtype).removeprefix("torch.")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         self.tokenizer.hf.save_pretrained(folder)
 
 
@@ -555,8 +570,9 @@ class LoRAHFPolicy(HFPolicy):
                 module.training = training
 
     # -- export --
-    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
-        """Write a transformers folder (see :meth:`HFPolicy.save_pretrained`).
+    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True, dtype: torch.dtype | None = None) -> None:
+        """Write a transformers folder (see :meth:`HFPolicy.save_pretrained`; ``dtype`` likewise: the merge is
+        computed in the weights' own dtype, then the result is written in ``dtype``).
 
         ``merge_lora=True``: the adapters folded into the weights, a plain model. ``merge_lora=False``: the base
         weights plus peft's adapter (``adapter_config.json``, ``adapter_model.safetensors``) in the same folder;
@@ -567,10 +583,11 @@ class LoRAHFPolicy(HFPolicy):
         """
         folder = Path(folder)
         copied = copy.deepcopy(self.model)
+        dtype = dtype or self.source_dtype
         if merge_lora:
-            self._write_folder(copied.merge_and_unload(), folder)
+            self._write_folder(copied.merge_and_unload(), folder, dtype)
             return
-        self._write_folder(copied.unload(), folder)
+        self._write_folder(copied.unload(), folder, dtype)
         self.model.save_pretrained(folder)
         adapter_config = folder / "adapter_config.json"
         record = json.loads(adapter_config.read_text(encoding="utf-8"))

@@ -346,13 +346,15 @@ class TinyTransformerPolicy(CausalLMPolicy):
         # transformers wraps PreTrainedModel.to in a decorator whose annotation loses the signature
         return model.to(dtype).eval()  # type: ignore[arg-type]
 
-    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True) -> None:
+    def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True, dtype: torch.dtype | None = None) -> None:
         """Write the policy as a transformers folder: a ``LlamaForCausalLM`` (``config.json``, ``model.safetensors``,
-        ``generation_config.json``) and its tokenizer (:meth:`CharTokenizer.to_transformers`), which
-        ``AutoModelForCausalLM.from_pretrained(folder)`` / ``AutoTokenizer.from_pretrained(folder)`` load and
-        ``policy: hf`` trains further. ``merge_lora`` is accepted like every policy's; tiny has no adapters."""
+        ``generation_config.json``) in ``dtype`` (None: the policy's own) and its tokenizer
+        (:meth:`CharTokenizer.to_transformers`), which ``AutoModelForCausalLM.from_pretrained(folder)`` /
+        ``AutoTokenizer.from_pretrained(folder)`` load and ``policy: hf`` trains further. ``merge_lora`` is
+        accepted like every policy's; tiny has no adapters."""
         del merge_lora  # nothing to merge: every weight is a plain tensor
-        self.to_transformers().save_pretrained(folder)
+        model = self.to_transformers()  # a copy: casting it leaves the policy as it is
+        (model.to(dtype) if dtype is not None else model).save_pretrained(folder)
         self.tokenizer.to_transformers(model_max_length=self.options.max_len).save_pretrained(folder)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,7 @@ one line, exit 2.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import plugin_installs
@@ -315,3 +316,48 @@ def test_lora_policy_exports_with_the_trained_logits(llama_dir: Path, tmp_path: 
         assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out.resolve())
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits.float(), trained, rtol=0, atol=1e-5)
+
+
+# ---- lean exports: the dtype and the files' modes (issue 27) ------------------------------------------------------
+def safetensors_dtypes(path: Path) -> set[str]:
+    """The dtypes its header lists (the file's first 8 bytes give the JSON header's length)."""
+    data = path.read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_export_dtype_and_the_usual_file_modes(tiny_run: Trainer, tmp_path: Path) -> None:
+    mask = os.umask(0o022)
+    try:
+        assert export(tiny_run.run_dir, "--out", tmp_path / "f32") == 0
+        assert export(tiny_run.run_dir, "--out", tmp_path / "bf16", "--dtype", "bfloat16") == 0
+    finally:
+        os.umask(mask)
+    assert safetensors_dtypes(tmp_path / "f32" / "model.safetensors") == {"F32"}  # tiny's own dtype by default
+    weights = tmp_path / "bf16" / "model.safetensors"
+    assert (
+        safetensors_dtypes(weights) == {"BF16"}
+        and weights.stat().st_size < 0.6 * (tmp_path / "f32" / "model.safetensors").stat().st_size
+    )
+    assert json.loads((tmp_path / "bf16" / "palestra_export.json").read_text())["dtype"] == "bfloat16"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
+    assert set(modes.values()) == {0o644}, modes  # safetensors alone used to write 0600
+    assert (tmp_path / "bf16").stat().st_mode & 0o777 == 0o755
+    ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(tmp_path / "bf16").encode(TEXT)])
+    torch.testing.assert_close(hf_logits(tmp_path / "bf16", ids), hf_logits(tmp_path / "f32", ids), rtol=0, atol=0.1)
+
+
+def test_a_gguf_model_exports_in_bf16_unless_told(tmp_path: Path) -> None:
+    import tiny_gguf  # tests/fixtures
+
+    gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "model")
+    where = [f"policy.options.path={gguf_path.parent}", f"policy.options.gguf_file={gguf_path.name}"]
+    trainer = train_run(tmp_path, "gguf", "policy.name=hf", *where)
+    again = [part for key in where for part in ("--set", key)]
+    assert export(trainer.run_dir, "--out", tmp_path / "lean", *again) == 0
+    assert export(trainer.run_dir, "--out", tmp_path / "full", "--dtype", "float32", *again) == 0
+    assert safetensors_dtypes(tmp_path / "lean" / "model.safetensors") == {"BF16"}
+    assert safetensors_dtypes(tmp_path / "full" / "model.safetensors") == {"F32"}
+    config = json.loads((tmp_path / "lean" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert next(trainer.policy.parameters()).dtype == torch.float32  # the live policy was not cast

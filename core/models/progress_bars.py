@@ -1,0 +1,36 @@
+"""transformers' progress bars ("Loading weights", "Converting and de-quantizing GGUF tensors", a bar per saved
+shard) drawn on stderr: useful on a terminal, noise in a log file or a command that answers in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+
+__all__ = ["transformers_bars_off"]
+
+
+@contextlib.contextmanager
+def transformers_bars_off(*, unless_terminal: bool = False) -> Iterator[None]:
+    """Turn transformers' progress bars off for the block (and back on after, when they were on); with
+    ``unless_terminal``, only when stderr is not a terminal (a log, CI), where a redrawn bar is unreadable."""
+    if importlib.util.find_spec("transformers") is None or (unless_terminal and _stderr_is_terminal()):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):
+        return False
