@@ -128,7 +128,11 @@ def test_a_gguf_policy_saves_a_plain_transformers_folder(files: dict[str, Path],
 
     policy = build(path=str(files["q8"].parent), gguf_file=tiny_gguf.GGUF_NAME)
     out = tmp_path / "out"
-    policy.save_pretrained(out)
+    policy.save_pretrained(out, dtype=torch.float32)  # float32: the logits below compare exactly
+    lean = tmp_path / "lean"
+    policy.save_pretrained(lean)  # by default in bf16: a GGUF's values fit, at half float32's size
+    assert json.loads((lean / "config.json").read_text()).get("dtype") == "bfloat16"
+    assert (lean / "model.safetensors").stat().st_size < 0.6 * (out / "model.safetensors").stat().st_size
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config  # else transformers' Trainer and TRL refuse it as quantised
     assert {"model.safetensors", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
