@@ -9,6 +9,11 @@ import background_runs
 import pytest
 import torch
 
+# Tests that train run on one thread (a busy two-core machine): palestra train then keeps torch's count rather than
+# choosing one from the idle cores (and says nothing about it), in this process and in every one it starts. The
+# tests of that choice clear the variable in the processes they start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, Triton kernels run through Triton's interpreter. The flag is read when a kernel is
 # decorated, so it must be set before anything imports palestra's Triton modules.
 if not torch.cuda.is_available():

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     with signals:
         signals.immediate = True  # starting: nothing to save yet, and building may take minutes
         try:
-            trainer, point, lock = _start(args, resume, overwrite, signals)
+            trainer, point, lock, threads_line = _start(args, resume, overwrite, signals)
             signals.immediate = False
         except Interrupted as e:
             if os.environ.get("RANK", "0").strip() in ("", "0"):  # torchrun signals every rank: one line
@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             return e.exit_code
         resumed_from = point.path if point is not None else None
         point = None  # the loaded state is in the trainer now: let it go
+        if threads_line and trainer.dist.is_main:  # said once the run is built: a bad input stays one line
+            print(threads_line, file=sys.stderr)
         try:
             return _train_and_report(trainer, resumed_from, resume)
         except Interrupted as e:  # a second signal between two phases: say what the last checkpoint holds
@@ -367,7 +369,7 @@ def export_at_end(trainer: Trainer, run_dir: Path) -> str:
 
 def _start(
     args: argparse.Namespace, resume: str | None, overwrite: bool, signals: StopSignals
-) -> tuple[Trainer, ResumePoint | None, RunLock | None]:
+) -> tuple[Trainer, ResumePoint | None, RunLock | None, str]:
     """The config (a resumed run's from its checkpoint), a built trainer with the checkpoint loaded, and the run
     directory claimed: locked by this process (rank 0) for the whole run, then a new run refuses one that holds a
     run unless ``--overwrite``, which deletes it first."""
@@ -401,12 +403,12 @@ def _start(
             ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
             lock = RunLock.acquire(run_dir) if locks else None
             ckpt.check_new_run_dir(run_dir, overwrite=overwrite, own=own)
-        trainer = _build(args, config, run_dir, point, overwrite, signals)
+        trainer, threads_line = _build(args, config, run_dir, point, overwrite, signals)
     except BaseException:
         if lock is not None:
             lock.release(tidy=True)
         raise
-    return trainer, point, lock
+    return trainer, point, lock, threads_line
 
 
 def _build(
@@ -416,8 +418,9 @@ def _build(
     point: ResumePoint | None,
     overwrite: bool,
     signals: StopSignals,
-) -> Trainer:
-    """The trainer, checked against this machine, with the checkpoint loaded; rank 0 prepares the run directory."""
+) -> tuple[Trainer, str]:
+    """The trainer, checked against this machine, with the checkpoint loaded; rank 0 prepares the run directory.
+    Also the line that says how many CPU threads the run chose (empty when the user chose)."""
     import torch
 
     from palestra.config.preflight import preflight  # torch is only imported once the config is valid
@@ -425,16 +428,13 @@ def _build(
     from palestra.engine.trainer import Trainer
     from palestra.scale.cpu_threads import apply_threads, choose_threads
 
+    # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
+    preflight(config, run_dir=run_dir if point is not None else None)
     # Threads before anything is built: loading a model is parallel work too. A resumed run takes the count its
     # checkpoint recorded (reductions split by thread: the same count keeps the resume bitwise).
     saved = point.state.get("threads") if point is not None else None
     choice = choose_threads(config.train.threads, torch.get_num_threads(), saved=saved)
     apply_threads(choice)
-    if choice.line and os.environ.get("RANK", "0").strip() in ("", "0"):
-        print(choice.line, file=sys.stderr)
-
-    # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
-    preflight(config, run_dir=run_dir if point is not None else None)
 
     check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)
     # builds and checks every component: a bad one stops here, with one line
@@ -461,7 +461,7 @@ def _build(
     except BaseException:
         trainer.dist.close()
         raise
-    return trainer
+    return trainer, choice.line
 
 
 def end_rank(dist: DistributedContext, code: int) -> int:
