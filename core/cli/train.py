@@ -274,11 +274,14 @@ def _finish(trainer: Trainer, result: TrainResult) -> int:
         if plots:
             from palestra.cli.dashboard import plot_dashboard
 
-            print(f"plot: {plot_dashboard(result.run_dir)}")
+            # Struck off before the line is printed: a signal sent on seeing the line finds it done.
+            drawn = plot_dashboard(result.run_dir)
             del pending["dashboard"]
+            print(f"plot: {drawn}")
         if config.train.export:
-            print(export_at_end(trainer, result.run_dir))
+            exported = export_at_end(trainer, result.run_dir)
             del pending["export"]
+            print(exported)
     except Interrupted as e:  # a second signal
         missing = f"; not written: {', '.join(pending.values())}" if pending else ""
         return _last_line(
