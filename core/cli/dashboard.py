@@ -270,9 +270,11 @@ def fold_constants(panels: list[Panel]) -> list[Panel]:
     return kept
 
 
-def robust_range(values: Iterable[float], fence: float = 3.0) -> tuple[float, float] | None:
-    """The y-range of the bulk of ``values``: within ``fence`` interquartile ranges of the quartiles (Tukey's
-    fences), or None when nothing lies outside them (or there are too few values to call any an outlier)."""
+def robust_range(values: Iterable[float], fence: float = 3.0, share: float = 0.01) -> tuple[float, float] | None:
+    """The y-range of the bulk of ``values`` when a few outliers would flatten it: the values within ``fence``
+    interquartile ranges of the quartiles (Tukey's fences). None, and the whole range is drawn, unless the values
+    outside are few (at most ``share`` of them, at least one) and drawing them would at least double the range: a
+    step that built the kernels, one huge logit norm, not a heavy tail or a series of a few discrete levels."""
     finite = sorted(v for v in values if math.isfinite(v))
     if len(finite) < 5:
         return None
@@ -280,7 +282,11 @@ def robust_range(values: Iterable[float], fence: float = 3.0) -> tuple[float, fl
     spread = (q3 - q1) or 1e-3 * max(abs(q1), abs(q3), 1e-12)
     low, high = q1 - fence * spread, q3 + fence * spread
     inside = [v for v in finite if low <= v <= high]
-    if len(inside) == len(finite):
+    outside = len(finite) - len(inside)
+    if outside == 0 or outside > max(1, int(share * len(finite))):
+        return None
+    bulk = max(inside) - min(inside)
+    if finite[-1] - finite[0] < 2 * bulk:
         return None
     return min(inside), max(inside)
 

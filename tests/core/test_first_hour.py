@@ -234,3 +234,12 @@ def test_palestra_train_says_its_thread_choice_once_and_records_it(tmp_path: Pat
     )
     assert pinned.returncode == 0 and "CPU thread" not in pinned.stderr, pinned.stderr[-2000:]
     assert load_checkpoint(tmp_path / "runs" / "pinned" / "checkpoint.pt")["threads"] == 1
+
+
+def test_only_a_few_far_outliers_are_taken_off_the_axis() -> None:
+    from palestra.cli.dashboard import robust_range
+
+    assert robust_range([0.1] * 99 + [41.0]) == (0.1, 0.1)  # the first step's kernel build
+    assert robust_range([0.0, 1.0, 2.0] * 100 + [1.0] * 300) is None  # discrete levels are data, not outliers
+    heavy = [0.2 + 0.01 * (i % 7) for i in range(900)] + [5.0 + i for i in range(100)]
+    assert robust_range(heavy) is None  # a tenth of the values far out: a heavy tail, drawn whole
