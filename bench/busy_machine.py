@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -36,9 +35,9 @@ TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s")
 
 
 def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "")
-    return f"{model or platform.processor()}, {'AMX' if 'amx_bf16' in flags else 'no AMX'}, {os.cpu_count()} cores"
+    from palestra.kernels.build import cpu_bf16_kind, cpu_model
+
+    return f"{cpu_model()}, {'AMX' if cpu_bf16_kind() == 'amx' else 'no AMX'}, {os.cpu_count()} cores"
 
 
 def user_env(site: str | None) -> dict[str, str]:

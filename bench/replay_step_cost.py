@@ -46,22 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def cpu_kind() -> dict[str, Any]:
     """The CPU's model name and whether it has AMX (bf16 matrix units): step times differ a lot between the two."""
-    flags: set[str] = set()
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-            elif key.strip() == "model name":
-                name = value.strip()
-    except OSError:
-        pass
-    amx = "amx_bf16" in flags or "amx_tile" in flags
+    from palestra.kernels.build import cpu_bf16_kind, cpu_model
+
+    kind = cpu_bf16_kind()
     return {
-        "cpu": name,
-        "cpu_kind": "AMX" if amx else ("no AMX, avx512_bf16" if "avx512_bf16" in flags else "no AMX"),
-        "amx": amx,
+        "cpu": cpu_model(),
+        "cpu_kind": {"amx": "AMX", "avx512_bf16": "no AMX, avx512_bf16"}.get(kind, "no AMX"),
+        "amx": kind == "amx",
         "cpus": os.cpu_count(),
     }
 

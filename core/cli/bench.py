@@ -264,12 +264,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            return f"{m.group(1)} x{os.cpu_count()}" if m else "cpu"
-    except OSError:
-        return "cpu"
+    from palestra.kernels.build import cpu_model
+
+    return f"{cpu_model()} x{os.cpu_count()}"
 
 
 # ---- whole training steps (--e2e) -----------------------------------------------------------------------

@@ -16,7 +16,6 @@ no global backend switch), so this works headless and inside other programs.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -335,11 +334,10 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, *, column
 
 def _sweep_dead_drawings(target: Path) -> None:
     """Remove the ``.NAME.PID.tmp`` files that drawings of ``target`` killed mid-write left (their process is gone)."""
-    from palestra.engine.run_lock import pid_alive
+    from palestra.engine.run_lock import left_by_dead
 
-    for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        pid = stale.name[len(target.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and not pid_alive(int(pid)) and stale.is_file() and not stale.is_symlink():
+    for stale in left_by_dead(target.parent, f".{target.name}.", ".tmp"):
+        if stale.is_file():
             stale.unlink(missing_ok=True)
 
 

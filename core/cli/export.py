@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import errno
-import glob
 import inspect
 import json
 import os
@@ -423,13 +422,11 @@ def _sweep_dead_exports(out: Path) -> None:
     """Remove what exports killed mid-write (a SIGKILL, a power cut) left beside ``out``: their hidden
     ``.NAME.export-PID.tmp`` folders, and a ``.NAME.old-PID`` folder once ``out`` is in place. A live process's
     folders (another export, writing now) are left alone."""
-    from palestra.engine.run_lock import pid_alive
+    from palestra.engine.run_lock import left_by_dead
 
     for kind, suffix in (("export-", ".tmp"), ("old-", "")):
-        prefix = f".{out.name}.{kind}"
-        for stale in out.parent.glob(f"{glob.escape(prefix)}*{suffix}"):
-            pid = stale.name[len(prefix) : len(stale.name) - len(suffix)]
-            if not pid.isdigit() or pid_alive(int(pid)) or stale.is_symlink() or not stale.is_dir():
+        for stale in left_by_dead(out.parent, f".{out.name}.{kind}", suffix):
+            if not stale.is_dir():
                 continue
             if kind == "old-" and not out.exists():
                 continue  # killed between the two renames: this is the previous export, the only one there is

@@ -12,16 +12,28 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "RunLock", "RunLocked", "pid_alive"]
+__all__ = ["LOCK_NAME", "RunLock", "RunLocked", "left_by_dead", "pid_alive"]
 
 LOCK_NAME = ".lock"
 
 
 class RunLocked(ValueError):
     """Another live process holds the run folder's lock (or the lock file cannot be made): one line."""
+
+
+def left_by_dead(folder: Path, prefix: str, suffix: str) -> list[Path]:
+    """The entries of ``folder`` named ``PREFIX<pid>SUFFIX`` whose process is gone: what writers killed mid-write
+    left (a live process's, another writer's or ours, are not listed; nor are links, which are never followed)."""
+    found = []
+    for entry in folder.glob(f"{glob.escape(prefix)}*{glob.escape(suffix)}"):
+        pid = entry.name[len(prefix) : len(entry.name) - len(suffix)]
+        if pid.isdigit() and not pid_alive(int(pid)) and not entry.is_symlink():
+            found.append(entry)
+    return found
 
 
 def pid_alive(pid: int) -> bool:
