@@ -88,6 +88,20 @@ def register_generators(register: RegisterFn) -> None:
     """Register generation back ends for rollouts (the built-in KV-cache sampler; vLLM and others later)."""
 
 
+@hookspec
+def register_tools(register: RegisterFn) -> None:
+    """Register tools a model may call in an episode (:class:`palestra.tools.Tool`; docs/tools.md). The factory
+    returns one ``Tool`` or a list of them (an MCP server's tools); :meth:`Tool.from_function` derives the JSON Schema
+    of a plain function's parameters from its type hints and docstring."""
+
+
+@hookspec
+def register_tool_parsers(register: RegisterFn) -> None:
+    """Register tool-call parsers (:class:`palestra.tools.ToolCallParser`): how a model's text is read as tool calls
+    (``hermes``: ``<tool_call>{json}</tool_call>``), and how tools are described to a model whose chat template has no
+    tool section."""
+
+
 # ---- lifecycle --------------------------------------------------------------------------------------
 @hookspec
 def on_train_start(run: RunState) -> None:

@@ -23,6 +23,8 @@ KINDS: dict[str, str] = {
     "policy": "register_policies",
     "logger": "register_loggers",
     "generator": "register_generators",
+    "tool": "register_tools",
+    "tool_parser": "register_tool_parsers",
 }
 
 

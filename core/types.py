@@ -62,6 +62,8 @@ class Observation:
     ``metadata`` is the episode's dictionary handed to rewards (ground truth, the task's parameters);
     treat it as read-only. ``stop`` lists extra stop strings for this turn.
 
+    ``tools`` and ``tool_prompt`` (both or neither) offer tools to the agent (see the fields).
+
     ``max_new_tokens`` is the environment's cap on this turn's completion (e.g. one token for a label);
     None leaves the trainer's limit. The effective limit is ``min(train.max_new_tokens, obs.max_new_tokens)``;
     a row that reaches it ends like any length-truncated completion (its tokens so far kept, no EOS).
@@ -75,6 +77,12 @@ class Observation:
     stop: list[str] | None = None
     turn: int = 0  # 0-based index of this turn within its episode
     max_new_tokens: int | None = None  # this turn's cap (min with train.max_new_tokens); None: no extra cap
+    # The tools the agent may call this turn, as OpenAI-style function specs ({"type": "function", "function":
+    # {name, description, parameters}}), for a chat template's tool section; and the same tools described in plain
+    # text (the tool-call parser's format), which a policy whose template has no tool section puts in a system
+    # message instead (docs/tools.md). None: no tools.
+    tools: list[dict[str, Any]] | None = None
+    tool_prompt: str | None = None
 
 
 @dataclass

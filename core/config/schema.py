@@ -89,8 +89,28 @@ class GeneratorSpec(ComponentSpec):
     KIND: ClassVar[str] = "generator"
 
 
+@dataclass
+class ToolSpec(ComponentSpec):
+    KIND: ClassVar[str] = "tool"
+
+
+@dataclass
+class ToolParserSpec(ComponentSpec):
+    KIND: ClassVar[str] = "tool_parser"
+
+
 SPEC_TYPES: dict[str, type[ComponentSpec]] = {
-    cls.KIND: cls for cls in (EnvironmentSpec, RewardSpec, OptimizerSpec, PolicySpec, LoggerSpec, GeneratorSpec)
+    cls.KIND: cls
+    for cls in (
+        EnvironmentSpec,
+        RewardSpec,
+        OptimizerSpec,
+        PolicySpec,
+        LoggerSpec,
+        GeneratorSpec,
+        ToolSpec,
+        ToolParserSpec,
+    )
 }
 assert set(SPEC_TYPES) == set(KINDS), "every component kind needs a spec type"
 
@@ -152,6 +172,25 @@ class AgentsConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """Tools around the environment (docs/tools.md): each episode becomes a tool-use loop. The model's turn either
+    calls tools (read by ``parser``), whose results come back as ``tool`` messages for its next turn, or answers; the
+    environment and the reward see the answer. An episode ends at the answer, after ``max_tool_calls`` calls
+    (unanswered), or when its token sequence reaches ``max_tokens`` (unanswered)."""
+
+    tools: list[ToolSpec] = field(default_factory=list)
+    parser: ToolParserSpec = field(default_factory=lambda: ToolParserSpec("hermes"))
+    max_tool_calls: int = option(4, ge=0)  # calls per episode; one more and the episode ends unanswered
+    max_tokens: int | None = option(None, ge=1)  # the episode's whole sequence (prompt, turns, results); None: no cap
+    max_result_chars: int = option(2000, ge=16)  # a tool's result is cut to this many characters (said in the text)
+    system_prompt: str | None = None  # put before the tools' description (a task instruction); None: none
+
+    def __post_init__(self) -> None:
+        if not self.tools:
+            raise OptionError("tools", "lists no tool; name at least one (palestra plugins lists the tools)")
+
+
+@dataclass
 class KernelsConfig:
     backend: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"  # auto: chosen per device
 
@@ -175,7 +214,11 @@ class TrainConfig:
     max_grad_norm: float | None = option(1.0, gt=0)  # None: no clipping
     grad_accum: int = option(1, ge=1)  # micro-batches per optimiser step
     updates_per_batch: int = option(1, ge=1)  # passes over each rollout (TRL num_iterations, PPO epochs)
-    max_new_tokens: int = option(64, ge=1)
+    max_new_tokens: int = option(64, ge=1)  # per turn
+    # A multi-turn episode of one agent trains as one token sequence (its turns and the messages between them, the
+    # loss on the agent's own tokens) or as one row per turn; auto: one sequence where the policy's prompts extend
+    # each other (a prefix-preserving chat template) and one agent acts, per-turn rows otherwise (said at start-up)
+    trajectory: Literal["auto", "sequence", "per_turn"] = "auto"
     temperature: float = option(1.0, ge=0)
     top_p: float = option(1.0, gt=0, le=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -272,6 +315,7 @@ class Config:
     train: TrainConfig = field(default_factory=_default_train)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     agents: AgentsConfig | None = None  # None: one policy for every agent (the single-agent case)
+    tools: ToolsConfig | None = None  # None: no tool-use loop around the environment
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (dicts, lists, scalars) with every default filled in; what ``palestra config show`` prints."""
