@@ -155,8 +155,37 @@ class Trajectories:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"train.trajectory: turn {obs.turn}'s prompt does not extend the last turn's prompt and completion "
-                "(the chat template re-renders earlier turns, or the environment rewrote the history), so that "
-                "episode trains as per-turn rows; every other such episode does the same, unannounced",
+                "train.trajectory: an episode's next prompt does not extend its last prompt and completion (the "
+                "chat template re-renders earlier turns, or the environment rewrote the history), so that episode "
+                "trains as per-turn rows; every other such episode does the same, unannounced",
                 stacklevel=2,
             )
+
+
+def choose_trajectory(setting: str, env: Any, policy: Any) -> tuple[str, str]:
+    """``("sequence" | "per_turn", the start-up line saying why)`` for ``train.trajectory`` (``setting``), the
+    environment and the policy; the line is "" for a single-turn environment (both layouts are the same rows).
+
+    One sequence needs one agent (an episode's turns share one reward and one set of weights; MAPPO and role
+    credit keep per-turn rows) and a policy whose prompts extend each other (a prefix-preserving chat template);
+    ``auto`` takes it where both hold, ``sequence`` asks for it (an environment with several agents is then an
+    error), and a template that re-renders earlier turns falls back to per-turn rows either way."""
+    if getattr(env, "max_turns", 1) <= 1 or setting == "per_turn":
+        return "per_turn", "" if getattr(env, "max_turns", 1) <= 1 else "trajectory: per-turn rows (train.trajectory)"
+    agents = tuple(getattr(env, "agent_ids", ()))
+    if len(agents) > 1:
+        if setting == "sequence":
+            from palestra.errors import ConfigError
+
+            raise ConfigError(
+                f"train.trajectory: 'sequence' trains the episodes of one agent; the environment has {len(agents)} "
+                f"({', '.join(agents)}); use 'per_turn' or 'auto'"
+            )
+        return "per_turn", f"trajectory: per-turn rows ({len(agents)} agents act in an episode)"
+    preserving = getattr(policy, "prefix_preserving", None)
+    if callable(preserving) and not preserving():
+        return "per_turn", (
+            "trajectory: per-turn rows: the policy's chat template re-renders earlier turns (it is not "
+            "prefix-preserving), so an episode cannot be one token sequence"
+        )
+    return "sequence", "trajectory: one token sequence per episode (the loss on the model's own tokens)"
