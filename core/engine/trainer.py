@@ -132,7 +132,9 @@ class Trainer:
         self.checked_env, self.checked_eval_env = self.checked(self.env), self.checked(self.eval_env)
         agent_ids = self.env.agent_ids if config.agents is not None else ()  # credit assignment's, multi-agent only
         # one token sequence per multi-turn episode, or per-turn rows (said at start-up: trajectory_line)
-        self.trajectory, self.trajectory_line = choose_trajectory(config.train.trajectory, self.env, self.policy)
+        self.trajectory, self.trajectory_line = choose_trajectory(
+            config.train.trajectory, self.env, self.policy, per_agent=config.agents is not None
+        )
         self.sampler = Sampler(
             config,
             env=self.checked_env,

@@ -162,26 +162,29 @@ class Trajectories:
             )
 
 
-def choose_trajectory(setting: str, env: Any, policy: Any) -> tuple[str, str]:
+def choose_trajectory(setting: str, env: Any, policy: Any, *, per_agent: bool = False) -> tuple[str, str]:
     """``("sequence" | "per_turn", the start-up line saying why)`` for ``train.trajectory`` (``setting``), the
     environment and the policy; the line is "" for a single-turn environment (both layouts are the same rows).
 
-    One sequence needs one agent (an episode's turns share one reward and one set of weights; MAPPO and role
-    credit keep per-turn rows) and a policy whose prompts extend each other (a prefix-preserving chat template);
-    ``auto`` takes it where both hold, ``sequence`` asks for it (an environment with several agents is then an
-    error), and a template that re-renders earlier turns falls back to per-turn rows either way."""
-    if getattr(env, "max_turns", 1) <= 1 or setting == "per_turn":
-        return "per_turn", "" if getattr(env, "max_turns", 1) <= 1 else "trajectory: per-turn rows (train.trajectory)"
-    agents = tuple(getattr(env, "agent_ids", ()))
-    if len(agents) > 1:
+    One sequence needs one set of weights for every turn (``per_agent``: an ``agents:`` section gives agents
+    parameters or credit of their own, as MAPPO does, and keeps per-turn rows) and a policy whose prompts extend each
+    other (a prefix-preserving chat template); ``auto`` takes it where both hold, ``sequence`` asks for it (with
+    ``per_agent`` that is an error), and a template that re-renders earlier turns falls back to per-turn rows either
+    way."""
+    multi_turn = getattr(env, "max_turns", 1) > 1
+    if not multi_turn:
+        return "per_turn", ""
+    if setting == "per_turn":
+        return "per_turn", "trajectory: per-turn rows (train.trajectory)"
+    if per_agent:
         if setting == "sequence":
             from palestra.errors import ConfigError
 
             raise ConfigError(
-                f"train.trajectory: 'sequence' trains the episodes of one agent; the environment has {len(agents)} "
-                f"({', '.join(agents)}); use 'per_turn' or 'auto'"
+                "train.trajectory: 'sequence' trains every turn of an episode with one set of weights and one reward; "
+                "the agents: section gives agents their own (per-turn rows); use 'per_turn' or 'auto'"
             )
-        return "per_turn", f"trajectory: per-turn rows ({len(agents)} agents act in an episode)"
+        return "per_turn", "trajectory: per-turn rows (the agents: section gives each agent its own rows)"
     preserving = getattr(policy, "prefix_preserving", None)
     if callable(preserving) and not preserving():
         return "per_turn", (

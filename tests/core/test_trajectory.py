@@ -180,3 +180,33 @@ def test_chat_template_sequences_on_a_tiny_qwen2(tmp_path: Path) -> None:
     last = ro.episodes[0].turns[-1].observation
     text = policy.tokenizer.hf.decode(ro.sequences[0].ids, skip_special_tokens=False)  # type: ignore[index,union-attr]
     assert text.startswith(policy.prompt_text(last))
+
+
+class _Policy:
+    def __init__(self, preserving: bool) -> None:
+        self.preserving = preserving
+
+    def prefix_preserving(self) -> bool:
+        return self.preserving
+
+
+def test_the_layout_is_chosen_once_at_start_up_and_said_in_one_line() -> None:
+    from palestra.config import ConfigError
+    from palestra.engine.trajectory import choose_trajectory
+    from palestra.plugins.envs.arithmetic import ArithmeticEnv
+
+    keeps, breaks = _Policy(True), _Policy(False)
+    assert choose_trajectory("auto", ArithmeticEnv(), keeps) == ("per_turn", "")  # one turn: the same rows
+    assert choose_trajectory("sequence", ArithmeticEnv(), keeps) == ("per_turn", "")
+    assert choose_trajectory("auto", Feedback(), keeps)[0] == "sequence"
+    assert choose_trajectory("sequence", Feedback(), keeps)[0] == "sequence"
+    mode, line = choose_trajectory("per_turn", Feedback(), keeps)
+    assert mode == "per_turn" and "train.trajectory" in line
+    mode, line = choose_trajectory("auto", Feedback(), breaks)
+    assert mode == "per_turn" and "not prefix-preserving" in line
+    mode, line = choose_trajectory("sequence", Feedback(), breaks)  # a template that cannot: per-turn, said
+    assert mode == "per_turn" and "not prefix-preserving" in line
+    mode, line = choose_trajectory("auto", Feedback(), keeps, per_agent=True)  # MAPPO and friends
+    assert mode == "per_turn" and "agents:" in line
+    with pytest.raises(ConfigError, match=r"^train\.trajectory: 'sequence' .* use 'per_turn' or 'auto'$"):
+        choose_trajectory("sequence", Feedback(), keeps, per_agent=True)
