@@ -58,8 +58,11 @@ class McpToolError(RuntimeError):
 
 @dataclass
 class McpOptions:
-    command: list[str] = option(default_factory=list, runs_code=True)  # noqa: RUF009 - a dataclasses.field; the server's command line
-    env: dict[str, str] = option(default_factory=dict, runs_code=True)  # noqa: RUF009 - a dataclasses.field; extra environment for the server only
+    # The server's command line, and extra environment for it alone. Both run code (a command, LD_PRELOAD): a
+    # config read back from a checkpoint uses them only when the user passes them again (palestra.config.untrusted).
+    # (RUF009: option() returns a dataclasses.field, so the default is not shared.)
+    command: list[str] = option(default_factory=list, runs_code=True)  # noqa: RUF009
+    env: dict[str, str] = option(default_factory=dict, runs_code=True)  # noqa: RUF009
     startup_timeout_s: float = option(20.0, gt=0)  # to start, initialize and list the tools
     timeout_s: float = option(30.0, gt=0)  # per call
     tools: list[str] | None = None  # only these of the server's tools (their names on the server); None: all
@@ -226,6 +229,7 @@ class McpServer:
         self.options = options
         self.label = shlex.join(options.command)
         self.restarts_left = RESTARTS
+        self.stopped = False  # close() was called: no call starts the server again
         self.connection = _Connection(options, self.label)
         self.tools = self.connection.start()
         self._lock = threading.Lock()  # one restart at a time, however many threads call
@@ -254,6 +258,8 @@ class McpServer:
             connection = self.connection
             if not connection.closed:
                 return connection
+            if self.stopped:
+                raise McpServerError(f"MCP server {self.label} was closed (its tools' close() was called)")
             if self.restarts_left <= 0:
                 raise McpServerError(
                     f"MCP server {self.label} exited and was already restarted once{connection._said()}"
@@ -265,7 +271,9 @@ class McpServer:
             return self.connection
 
     def close(self) -> None:
+        self.stopped = True
         self.connection.close()
+        atexit.unregister(self.close)
 
 
 def _connection_lost(e: BaseException) -> bool:

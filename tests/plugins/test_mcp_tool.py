@@ -170,6 +170,8 @@ def test_the_server_stops_when_closed():
     pid = int(built["pid"].fn())
     built["add"].fn.close()
     assert _gone(pid)
+    with pytest.raises(McpServerError, match="was closed"):  # a closed server is not started again by a call
+        built["add"].fn(a=1, b=2)
 
 
 def test_the_server_stops_when_the_trainer_exits_without_closing_it():
