@@ -299,3 +299,33 @@ def test_two_tools_with_one_name_are_one_line_naming_both_entries(
         "(rename one in its options)"
     )
     assert not (tmp_path / "runs" / "r" / "log.jsonl").exists()
+
+
+def test_tools_around_a_multi_turn_environment_are_one_line_and_write_nothing(
+    tmp_path: Path, plugin_site: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    raw = raw_config(sections={"tools": tools_section({"name": "adder"}), "environment": {"name": "relay"}}, steps=1)
+    result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, site=plugin_site)
+    assert result.returncode == 2
+    assert error_line(result) == (
+        "palestra train: error: tools: the tool loop wraps a single-turn environment; environment 'relay' has "
+        "max_turns=3 (give the tools to a single-turn environment)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_config_show_prints_the_tools_section(
+    tmp_path: Path, plugin_site: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    import subprocess
+
+    from train_processes import clean_env
+
+    raw = raw_config(sections={"tools": tools_section({"name": "adder", "options": {"name": "plus"}})})
+    shown = subprocess.run(
+        [sys.executable, "-m", "palestra", "config", "show", str(write_config(tmp_path, raw))],
+        env=clean_env(plugin_site), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    section = shown.stdout[shown.stdout.index("\ntools:\n") :]
+    assert "  - name: adder\n    options:\n      name: plus\n  parser:\n    name: hermes\n" in section
+    assert "  max_tool_calls: 2\n" in section and "  max_result_chars: 64\n" in section
