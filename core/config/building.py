@@ -167,6 +167,21 @@ def build_tools(config: Config) -> list[Any]:
     return tools
 
 
+def check_tool_timeouts(tools: list[Any], config: Config) -> None:
+    """One step of the tool loop runs its rows side by side, each row's calls in turn: up to ``max_tool_calls``
+    calls of the slowest tool, each until its timeout. That must fit in ``train.data_timeout_s``, or a batch of
+    hanging tools would fail the run as a stalled environment instead of answering the model "timed out"."""
+    assert config.tools is not None
+    limit, calls = config.train.data_timeout_s, config.tools.max_tool_calls
+    slowest = max(tools, key=lambda t: t.timeout_s)
+    if limit is not None and calls * slowest.timeout_s >= limit:
+        raise ConfigError(
+            f"tools.max_tool_calls: {calls} calls of tool {slowest.name!r} (timeout_s={slowest.timeout_s:g}) may take "
+            f"{calls * slowest.timeout_s:g} s in one step, not below train.data_timeout_s={limit:g}; raise "
+            "train.data_timeout_s or lower tools.max_tool_calls or the tool's timeout"
+        )
+
+
 def wrap_with_tools(envs: list[Any], config: Config) -> list[Any]:
     """Each of ``envs`` as a tool-use loop (:class:`palestra.tools.episode.ToolUseEnvironment`) with
     ``config.tools``; the tools are built once and shared (a tool holding a server is started once)."""
@@ -175,7 +190,9 @@ def wrap_with_tools(envs: list[Any], config: Config) -> list[Any]:
 
     section = config.tools
     assert section is not None
-    runner = ToolRunner(build_tools(config), max_result_chars=section.max_result_chars)
+    tools = build_tools(config)
+    check_tool_timeouts(tools, config)
+    runner = ToolRunner(tools, max_result_chars=section.max_result_chars)
     parser = build_component("tool_parser", section.parser, path="tools.parser")
     return [
         ToolUseEnvironment(

@@ -19,6 +19,7 @@ exactly as sampled, then the tool results in plain text (``<tool_response>`` blo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,11 +97,9 @@ class ToolUseEnvironment:
         observations: list[Observation | None] = [None] * n
         info: list[dict[AgentId, dict[str, Any]]] = [{} for _ in range(n)]
         ending: list[int] = []
-        for i, (row, action) in enumerate(zip(self._rows, actions)):
-            if not row.live:
-                continue
-            record, observations[i] = self._turn(row, action)
-            info[i] = {row.obs.agent_id: record}
+        live = [i for i, row in enumerate(self._rows) if row.live]
+        for i, (record, observations[i]) in zip(live, self._turns(live, actions)):
+            info[i] = {self._rows[i].obs.agent_id: record}
             if observations[i] is None:
                 ending.append(i)
         if ending and not any(r.live for r in self._rows):
@@ -112,6 +111,17 @@ class ToolUseEnvironment:
     def _first(self, obs: Observation) -> Observation:
         messages = list(obs.messages) if obs.messages else [Message("user", obs.prompt)]
         return replace(obs, messages=messages, tools=self.specs, tool_prompt=self.tool_prompt, turn=0)
+
+    def _turns(
+        self, live: Sequence[int], actions: Sequence[str | None]
+    ) -> list[tuple[dict[str, Any], Observation | None]]:
+        """Every live row's turn. Rows run side by side (each row's calls in order), so a step lasts about as long
+        as its slowest row, not the sum of every row's calls: a batch of hanging tools costs one timeout, which
+        ``train.data_timeout_s`` must allow (checked when the run is built)."""
+        if len(live) <= 1:
+            return [self._turn(self._rows[i], actions[i]) for i in live]
+        with ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="palestra-tool-row") as pool:
+            return list(pool.map(lambda i: self._turn(self._rows[i], actions[i]), live))
 
     def _turn(self, row: _Row, action: str | None) -> tuple[dict[str, Any], Observation | None]:
         """Apply ``action`` to ``row``: its turn's info record, and its next observation (None: the row ended)."""

@@ -329,3 +329,38 @@ def test_config_show_prints_the_tools_section(
     section = shown.stdout[shown.stdout.index("\ntools:\n") :]
     assert "  - name: adder\n    options:\n      name: plus\n  parser:\n    name: hermes\n" in section
     assert "  max_tool_calls: 2\n" in section and "  max_result_chars: 64\n" in section
+
+
+def test_tool_timeouts_that_do_not_fit_the_data_timeout_are_one_line(
+    tmp_path: Path, plugin_site: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    raw = raw_config(sections={"tools": {**tools_section({"name": "adder"}), "max_tool_calls": 13}}, steps=1)
+    raw["train"]["data_timeout_s"] = 120
+    result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, site=plugin_site)
+    assert result.returncode == 2
+    assert error_line(result) == (
+        "palestra train: error: tools.max_tool_calls: 13 calls of tool 'add' (timeout_s=10) may take 130 s in one "
+        "step, not below train.data_timeout_s=120; raise train.data_timeout_s or lower tools.max_tool_calls or the "
+        "tool's timeout"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_rows_run_side_by_side_so_a_batch_of_hanging_tools_costs_one_timeout() -> None:
+    gate = threading.Event()
+    waiting = threading.Barrier(4, timeout=1.5)  # rows in turn: the first breaks it, and "raised"
+
+    def hang() -> str:
+        """Waits until every row's call has started: only possible when the rows run side by side."""
+        waiting.wait()
+        gate.wait(30)
+        return "late"
+
+    inner = ArithmeticEnv(difficulty=1, terms=2, prompt="{question} =")
+    runner = ToolRunner([Tool.from_function(hang, timeout_s=2.0)], max_result_chars=100)
+    env = ToolUseEnvironment(inner, runner, HermesParser(), max_tool_calls=1)
+    try:
+        episodes = run_episodes(env, scripted([call("hang"), "<answer>1</answer>"]), 2, seed=0, group_size=2)
+    finally:
+        gate.set()
+    assert [tool_message(ep) for ep in episodes] == ["error: 'hang' timed out after 2 s"] * 4
