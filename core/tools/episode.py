@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from palestra.errors import ConfigError
@@ -45,7 +45,6 @@ class _Row:
     live: bool = True
     final: str | None = None
     answered: bool = False
-    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ToolUseEnvironment:
@@ -146,7 +145,6 @@ class ToolUseEnvironment:
             {"name": n, "arguments": a, "error": r.error, "latency_s": r.latency_s, "content": r.content}
             for (n, a), r in zip(names, results)
         ]
-        row.records.extend(calls)
         row.obs = self._next(row.obs, action, results)
         return {"tool_calls": calls, "answered": False}, row.obs
 

@@ -364,3 +364,32 @@ def test_rows_run_side_by_side_so_a_batch_of_hanging_tools_costs_one_timeout() -
     finally:
         gate.set()
     assert [tool_message(ep) for ep in episodes] == ["error: 'hang' timed out after 2 s"] * 4
+
+
+def test_state_and_the_held_out_split_are_forwarded_exactly_when_the_inner_environment_has_them() -> None:
+    from palestra.types import HeldOutSplit, Stateful
+
+    class Counting(ArithmeticEnv):
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self.resets = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"resets": self.resets}
+
+        def load_state_dict(self, state: Any) -> None:
+            self.resets = state["resets"]
+
+        def held_out(self) -> ArithmeticEnv:
+            return ArithmeticEnv(difficulty=2)
+
+    runner = ToolRunner(tools(), max_result_chars=100)
+    plain = ToolUseEnvironment(ArithmeticEnv(), runner, HermesParser(), max_tool_calls=1)
+    assert not isinstance(plain, Stateful) and not isinstance(plain, HeldOutSplit)
+    wrapped = ToolUseEnvironment(Counting(), runner, HermesParser(), max_tool_calls=1, system_prompt="Hi.")
+    assert isinstance(wrapped, Stateful) and isinstance(wrapped, HeldOutSplit)
+    wrapped.load_state_dict({"resets": 7})
+    assert wrapped.state_dict() == {"resets": 7} and wrapped.inner.resets == 7  # type: ignore[attr-defined]
+    held = wrapped.held_out()
+    assert isinstance(held, ToolUseEnvironment) and held.inner.options.difficulty == 2  # type: ignore[attr-defined]
+    assert held.tool_prompt == wrapped.tool_prompt and held.max_turns == 2
