@@ -194,4 +194,8 @@ class Sampler:
         best = self.reward.max_score
         if best is not None:
             metrics["reward/max"] = best
+        if self.config.tools is not None:  # only then: a run without tools logs what it always did
+            from palestra.tools.metrics import tool_metrics
+
+            metrics.update(tool_metrics([ep for r in rounds for ep in r.rollout.episodes]))
         return metrics
