@@ -52,7 +52,8 @@ _REFUSED = {
 class CalculatorOptions:
     """Options of the ``calculator`` tool (a config sets them under ``tools.tools[i].options``)."""
 
-    max_digits: int = option(30, ge=1, le=4000)  # the longest number, written or computed, in decimal digits
+    # The longest number, written or computed, in decimal digits (under Python's 4300-digit int-to-str limit).
+    max_digits: int = option(30, ge=1, le=4000)
     max_length: int = option(1000, ge=1, le=100_000)  # the longest expression, in characters
     timeout_s: float = option(5.0, gt=0)  # one call's wall-clock limit (the tool loop enforces it)
 
@@ -159,7 +160,7 @@ def calculator(max_digits: int = 30, max_length: int = 1000, timeout_s: float = 
     evaluate = Calculator(max_digits=max_digits, max_length=max_length)
 
     def _calculate(expression: str) -> str:
-        """Evaluate an arithmetic expression exactly and return its value.
+        """Evaluate an arithmetic expression: whole numbers exactly, decimals to 10 significant digits.
 
         Args:
             expression: The arithmetic expression, with numbers, + - * / // % ** and parentheses, e.g. "(12 + 3) * 47".
