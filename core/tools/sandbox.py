@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import resource
 import selectors
 import shutil
@@ -87,7 +88,11 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResu
     """Run ``code`` as ``main.py`` in a fresh temporary folder, contained by ``limits``; the folder is deleted after."""
     limits = limits or SandboxLimits()
     uid = _sandbox_uid() if os.geteuid() == 0 else None
-    python = _child_interpreter(limits, uid)
+    try:
+        python = _child_interpreter(limits, uid)
+    except SandboxError:
+        _release_uid(uid)
+        raise
     workdir = tempfile.mkdtemp(prefix="palestra-sandbox-")
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -98,6 +103,7 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResu
         return _supervise(limits, uid, python, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        _release_uid(uid)
 
 
 _support: dict[str, Any] | None = None
@@ -127,16 +133,28 @@ def _missing(got: dict[str, bool]) -> list[str]:
     return [text for key, text in words.items() if not got.get(key)]
 
 
-_uid_counter = 0
+_uids_in_use: set[int] = set()
 _uid_lock = threading.Lock()
 
 
 def _sandbox_uid() -> int:
-    global _uid_counter
+    """A uid of the block that no process runs under now (several trainer processes draw from the same block),
+    and that no other run of this process holds; released by :func:`_release_uid`."""
+    draw = random.SystemRandom()
     with _uid_lock:
-        _uid_counter += 1
-        slot = (os.getpid() * 64 + _uid_counter) % _UID_SLOTS
-    return _UID_BASE + slot
+        for _ in range(100):
+            uid = _UID_BASE + draw.randrange(_UID_SLOTS)
+            if uid not in _uids_in_use and _count_processes(uid) == 0:
+                _uids_in_use.add(uid)
+                return uid
+    raise SandboxError("sandbox: found no free sandbox uid in 100 draws")
+
+
+def _release_uid(uid: int | None) -> None:
+    if uid is None:
+        return
+    with _uid_lock:
+        _uids_in_use.discard(uid)
 
 
 def _other_may_run(path: str) -> bool:
@@ -279,9 +297,11 @@ def _kill_all(proc: subprocess.Popen[bytes], uid: int | None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     if uid is None:
         return
-    for _ in range(20):  # a fork in flight can add a process after one sweep; a few sweeps get them all
-        if not _kill_uid(uid):
-            return
+    # SIGKILLed processes take a moment to go (and a fork in flight can add one after a sweep): sweep until none
+    # is left, so that none outlives the run, bounded in case one is stuck in the kernel.
+    give_up = time.monotonic() + 5.0
+    while _kill_uid(uid) and time.monotonic() < give_up:
+        time.sleep(0.005)
 
 
 def _kill_uid(uid: int) -> int:
@@ -329,6 +349,8 @@ def _summary(
         return f"killed: wall-clock timeout ({limits.wall_s:g} s)"
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s):
         return f"killed: CPU time limit ({limits.cpu_s:g} s)"
+    if sig == signal.SIGXFSZ:
+        return f"killed: file size limit ({limits.disk_mb:g} MB)"
     if sig is not None:
         return f"killed: signal {signal.Signals(sig).name}"
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
@@ -345,7 +367,7 @@ def _summary(
 
 # ---- the child's side: runs as `python -I -S sandbox.py PLAN`, standard library only ---------------------------
 def _unshare(libc: Any, flags: int) -> bool:
-    return bool(libc.unshare(flags) == 0)
+    return sys.platform == "linux" and bool(libc.unshare(flags) == 0)
 
 
 def _enter_namespaces(libc: Any, plan: dict[str, Any]) -> dict[str, bool]:
@@ -369,6 +391,8 @@ def _enter_namespaces(libc: Any, plan: dict[str, Any]) -> dict[str, bool]:
 
 
 def _mount(libc: Any, source: str, target: str, fstype: str | None, flags: int, data: str | None) -> bool:
+    if sys.platform != "linux":
+        return False
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731 - ctypes wants bytes or NULL
     return bool(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) == 0)
 
@@ -401,21 +425,34 @@ def _count_processes(uid: int) -> int:
     return count
 
 
+def _die_with_parent(libc: Any) -> None:
+    if sys.platform == "linux":
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _set_limit(which: int, soft: int, hard: int) -> None:
+    """Set a limit, capped at the hard limit the process already has (a non-root process cannot raise it)."""
+    _, current = resource.getrlimit(which)
+    if current != resource.RLIM_INFINITY:
+        soft, hard = min(soft, current), min(hard, current)
+    resource.setrlimit(which, (soft, hard))
+
+
 def _limit_and_exec(libc: Any, plan: dict[str, Any]) -> None:
     """In the model's process: rlimits, then the unprivileged uid, then exec. Never returns."""
     limits, uid = plan["limits"], plan["uid"]
     memory = limits["memory_mb"] << 20
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["disk_mb"] << 20,) * 2)
     nproc = limits["max_processes"] + plan["already_running"]
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    _set_limit(resource.RLIMIT_CORE, 0, 0)
+    _set_limit(resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1)  # SIGXCPU, then SIGKILL a second later
+    _set_limit(resource.RLIMIT_AS, memory, memory)
+    _set_limit(resource.RLIMIT_FSIZE, limits["disk_mb"] << 20, limits["disk_mb"] << 20)
+    _set_limit(resource.RLIMIT_NPROC, nproc, nproc)
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    _die_with_parent(libc)  # after setuid, which clears it
     os.close(plan["status_fd"])
     try:
         os.execve(plan["python"], [plan["python"], "-I", "-S", "main.py"], plan["env"])
@@ -429,7 +466,7 @@ def _init(libc: Any, plan: dict[str, Any], got: dict[str, bool]) -> None:
     a namespace's init, so the model's code runs in a child of it): a private /proc, then fork the model's process,
     wait for it and report how it ended (exit code or signal, CPU seconds, the isolation the run got) as one JSON
     line on the status pipe. Its exit ends the namespace, and with it every process the model left behind."""
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _die_with_parent(libc)
     got["private_proc"] = (
         got["pid_namespace"]
         and got["mount_namespace"]

@@ -144,20 +144,36 @@ def test_a_fork_bomb_that_catches_its_errors_ends_at_the_wall_clock(trainer):
 
 
 def test_writes_outside_its_folder_change_nothing_on_the_host(trainer, tmp_path):
-    outside = tmp_path / "outside.txt"
-    in_tmp = f"/tmp/palestra-sandbox-test-{uuid.uuid4().hex}"
-    code = (
-        "import sys\nfor path in sys.argv[1:] or PATHS:\n    try:\n        open(path, 'w').write('escaped')\n"
-        "        print('wrote', path)\n    except OSError as e:\n        print('refused', path, type(e).__name__)"
-    ).replace("PATHS", repr([str(outside), in_tmp, "/etc/palestra-sandbox-test", "/root/palestra-sandbox-test"]))
-    result = run_sandboxed(code)
-    assert result.summary == "ok", result.stderr
-    assert not outside.exists() and not os.path.exists(in_tmp)
-    assert not os.path.exists("/etc/palestra-sandbox-test") and not os.path.exists("/root/palestra-sandbox-test")
-    for path in ("/etc/palestra-sandbox-test", "/root/palestra-sandbox-test", str(outside)):
-        assert f"refused {path}" in result.stdout  # each refused with one error, not silently lost
-    if SUPPORT["private_tmp"]:
-        assert f"wrote {in_tmp}" in result.stdout  # the private /tmp takes it, and goes with the run
+    tag = uuid.uuid4().hex  # names no earlier run can have left
+    in_tmp = f"/tmp/palestra-sandbox-test-{tag}"
+    refused = [str(tmp_path / "outside.txt"), f"/etc/palestra-sandbox-test-{tag}", f"/root/palestra-sandbox-test-{tag}"]
+    code = textwrap.dedent(f"""
+        for path in {[*refused, in_tmp]!r}:
+            try:
+                open(path, "w").write("escaped")
+                print("wrote", path)
+            except OSError as e:
+                print("refused", path, type(e).__name__)
+    """)
+    try:
+        result = run_sandboxed(code)
+        assert result.summary == "ok", result.stderr
+        for path in refused:
+            assert f"refused {path}" in result.stdout  # each refused with an error the model reads
+        assert not any(os.path.exists(p) for p in [*refused, in_tmp])
+        if SUPPORT["private_tmp"]:
+            assert f"wrote {in_tmp}" in result.stdout  # the private /tmp takes it, and goes with the run
+    finally:
+        for path in [*refused, in_tmp]:  # a failing sandbox must not leave its escape behind
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def test_filling_the_disk_stops_at_its_limit(trainer):
+    code = "f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 2**20)"
+    result = run_sandboxed(code, SandboxLimits(disk_mb=8))
+    expected = {"exit code 1: OSError: [Errno 28] No space left on device", "killed: file size limit (8 MB)"}
+    assert result.summary in expected  # the private tmpfs is full, or (without one) the file-size rlimit hits
 
 
 @needs("network_namespace")
