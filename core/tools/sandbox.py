@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SandboxError", "SandboxLimits", "SandboxResult", "run_sandboxed", "sandbox_support"]
+__all__ = ["SandboxError", "SandboxLimits", "SandboxResult", "child_interpreter", "run_sandboxed", "sandbox_support"]
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
@@ -175,6 +175,11 @@ def _other_may_run(path: str) -> bool:
         return False
 
 
+def child_interpreter(limits: SandboxLimits) -> str:
+    """The Python the sandbox will run the code with (a tool checks it at start-up); SandboxError when none fits."""
+    return _child_interpreter(limits, _UID_BASE if os.geteuid() == 0 else None)
+
+
 def _child_interpreter(limits: SandboxLimits, uid: int | None) -> str:
     if limits.interpreter is not None:
         candidates = [limits.interpreter]
@@ -184,8 +189,8 @@ def _child_interpreter(limits: SandboxLimits, uid: int | None) -> str:
         if os.path.isfile(path) and (uid is None or _other_may_run(path)):
             return os.path.realpath(path)
     raise SandboxError(
-        f"sandbox: no Python interpreter that the sandbox user (uid {uid}) may run among {', '.join(candidates)}; "
-        "set the python tool's 'interpreter' option to a world-readable python3"
+        f"sandbox: no Python interpreter that the sandbox user{'' if uid is None else ' (another uid)'} may run "
+        f"among {', '.join(candidates)}; set the python tool's 'interpreter' option to a world-readable python3"
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from palestra import hookimpl
 from palestra.config import option
 from palestra.tools import Tool
-from palestra.tools.sandbox import SandboxLimits, SandboxResult, run_sandboxed, sandbox_support
+from palestra.tools.sandbox import SandboxLimits, SandboxResult, child_interpreter, run_sandboxed, sandbox_support
 
 _DESCRIPTION = (
     "Run a Python 3 program (standard library only) and get what it prints. Each call starts a fresh process in an "
@@ -66,6 +66,7 @@ def answer_text(result: SandboxResult) -> str:
 
 def python_tool(**options: Any) -> Tool:
     limits = SandboxLimits(**options)
+    child_interpreter(limits)  # a Python the sandbox cannot run fails here, at start-up, not at the first call
     _warn_once_about_isolation()
 
     def run(code: str) -> str:

@@ -257,3 +257,10 @@ def test_sandbox_support_claims_what_the_os_allows():
         pytest.skip(f"this OS refuses new namespaces: {allowed.stderr.decode().strip()}")
     assert SUPPORT["network_namespace"] and SUPPORT["pid_namespace"] and SUPPORT["private_tmp"]
     assert SUPPORT["private_proc"] and SUPPORT["missing"] == ([] if os.geteuid() == 0 else SUPPORT["missing"])
+
+
+def test_an_interpreter_the_sandbox_cannot_run_fails_at_start_up(tmp_path):
+    missing = tmp_path / "no-such-python"
+    with pytest.raises(Exception, match=r"^tools\.tools\[0\]: building tool 'python' .*no Python interpreter") as e:
+        one_tool(interpreter=str(missing))
+    assert "\n" not in str(e.value) and str(missing) in str(e.value)
