@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import resource
 import selectors
 import shutil
@@ -42,6 +43,13 @@ _PR_SET_PDEATHSIG = 1
 _UID_BASE, _UID_SLOTS = 1_900_000_000, 1 << 20
 _PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 _CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
+_DISK_FULL = re.compile(r"OSError: \[Errno (27|28)\]")  # EFBIG (the file-size rlimit), ENOSPC (a full tmpfs)
+# The model's program runs as main.py in its working folder, opened by a relative path: `python main.py` would make
+# it absolute, which fails when a folder above is closed to the sandbox uid (a 0700 TMPDIR without a private /tmp).
+_LOADER = (
+    "import sys; sys.argv[:] = ['main.py']; g = {'__name__': '__main__', '__file__': 'main.py', "
+    "'__builtins__': __builtins__}; del sys; exec(compile(open('main.py', 'rb').read(), 'main.py', 'exec'), g)"
+)
 
 
 class SandboxError(RuntimeError):
@@ -195,7 +203,7 @@ def _child_interpreter(limits: SandboxLimits, uid: int | None) -> str:
 
 
 def _child_env() -> dict[str, str]:
-    return {"PATH": _CHILD_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    return {"PATH": _CHILD_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
 
 
 def _supervise(limits: SandboxLimits, uid: int | None, python: str, workdir: str) -> SandboxResult:
@@ -363,6 +371,8 @@ def _summary(
         return f"MemoryError: memory limit ({limits.memory_mb:g} MB)"
     if exit_code and last.startswith("BlockingIOError") and "Resource temporarily unavailable" in last:
         return f"BlockingIOError: process limit ({limits.max_processes} processes)"
+    if exit_code and _DISK_FULL.match(last):
+        return f"OSError: disk limit ({limits.disk_mb:g} MB)"  # the file-size rlimit, or the private tmpfs full
     if exit_code == 0:
         return "ok"
     if exit_code is None:
@@ -459,8 +469,9 @@ def _limit_and_exec(libc: Any, plan: dict[str, Any]) -> None:
         os.setuid(uid)
     _die_with_parent(libc)  # after setuid, which clears it
     os.close(plan["status_fd"])
+    env = {**plan["env"], "HOME": os.getcwd()}  # its working folder, private or not
     try:
-        os.execve(plan["python"], [plan["python"], "-I", "-S", "main.py"], plan["env"])
+        os.execve(plan["python"], [plan["python"], "-I", "-S", "-c", _LOADER], env)
     except OSError as e:
         os.write(2, f"sandbox: cannot start {plan['python']}: {e}\n".encode())
     os._exit(126)

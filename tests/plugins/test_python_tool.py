@@ -160,9 +160,9 @@ def test_writes_outside_its_folder_change_nothing_on_the_host(trainer, tmp_path)
         assert result.summary == "ok", result.stderr
         for path in refused:
             assert f"refused {path}" in result.stdout  # each refused with an error the model reads
-        assert not any(os.path.exists(p) for p in [*refused, in_tmp])
-        if SUPPORT["private_tmp"]:
-            assert f"wrote {in_tmp}" in result.stdout  # the private /tmp takes it, and goes with the run
+        assert not any(os.path.exists(p) for p in refused)
+        if SUPPORT["private_tmp"]:  # without one, the host's /tmp takes it (the documented limit)
+            assert f"wrote {in_tmp}" in result.stdout and not os.path.exists(in_tmp)  # private, gone with the run
     finally:
         for path in [*refused, in_tmp]:  # a failing sandbox must not leave its escape behind
             if os.path.exists(path):
@@ -172,8 +172,7 @@ def test_writes_outside_its_folder_change_nothing_on_the_host(trainer, tmp_path)
 def test_filling_the_disk_stops_at_its_limit(trainer):
     code = "f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 2**20)"
     result = run_sandboxed(code, SandboxLimits(disk_mb=8))
-    expected = {"exit code 1: OSError: [Errno 28] No space left on device", "killed: file size limit (8 MB)"}
-    assert result.summary in expected  # the private tmpfs is full, or (without one) the file-size rlimit hits
+    assert result.summary == "OSError: disk limit (8 MB)"  # the private tmpfs is full, or the file-size rlimit hit
 
 
 @needs("network_namespace")
