@@ -3,6 +3,7 @@ answered with one line, while the test process (standing in for the trainer) kee
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import threading
 import tracemalloc
 import uuid
 import warnings
@@ -18,6 +20,7 @@ import pytest
 
 from palestra.config import build_component
 from palestra.plugins.tools import python as python_plugin
+from palestra.tools import sandbox as sandbox_module
 from palestra.tools.sandbox import _UID_BASE, _UID_SLOTS, SandboxLimits, run_sandboxed, sandbox_support
 
 SUPPORT = sandbox_support()
@@ -263,3 +266,69 @@ def test_an_interpreter_the_sandbox_cannot_run_fails_at_start_up(tmp_path):
     with pytest.raises(Exception, match=r"^tools\.tools\[0\]: building tool 'python' .*no Python interpreter") as e:
         one_tool(interpreter=str(missing))
     assert "\n" not in str(e.value) and str(missing) in str(e.value)
+
+
+def test_runs_at_once_each_get_their_own_uid(trainer):
+    results: list[object] = [None] * 4
+
+    def one(i: int) -> None:
+        results[i] = run_sandboxed(f"import os\nprint({i}, os.getuid())")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = [r.stdout.split() for r in results]  # type: ignore[union-attr]
+    assert [int(i) for i, _ in lines] == [0, 1, 2, 3]
+    if SUPPORT["user_switch"]:
+        assert len({uid for _, uid in lines}) == 4 and os.getuid() not in {int(uid) for _, uid in lines}
+
+
+_NOBODY_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+limits = sandbox.SandboxLimits(wall_s=20)
+answers = [sandbox.run_sandboxed(code, limits).summary for code in sys.argv[2:]]
+print(json.dumps({"support": sandbox.sandbox_support(), "answers": answers, "uid": __import__("os").getuid()}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start the test's own unprivileged trainer")
+def test_a_trainer_that_is_not_root_is_contained_too(tmp_path):
+    # The sandbox module is standard library only, so an unprivileged system python3 can run it as the trainer:
+    # the path a non-root user takes (a user namespace instead of a uid switch).
+    python = "/usr/bin/python3"
+    if not (os.path.exists(python) and sandbox_module._other_may_run(python)):
+        pytest.skip("no python3 an unprivileged user may run")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        codes = [
+            "print(2**100)",
+            "import os\nwhile True: os.fork()",
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
+        ]
+        folder = os.path.dirname(sandbox_module.__file__)
+        done = subprocess.run(
+            [python, "-I", "-c", _NOBODY_SCRIPT, folder, *codes],
+            capture_output=True,
+            text=True,
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
+            timeout=120,
+        )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["uid"] == 65534 and report["answers"][0] == "ok"
+    if report["support"]["user_namespace"]:
+        assert report["answers"][1] == "BlockingIOError: process limit (16 processes)"
+        assert report["answers"][2] == "exit code 1: OSError: [Errno 101] Network is unreachable"
+        assert report["support"]["missing"] == [
+            "no separate uid (the code runs as the trainer's user and can read its files)"
+        ]
