@@ -1,15 +1,19 @@
 """Run code a model wrote in a contained child process, never in the trainer's (the ``python`` tool; docs/tools.md).
 
-:func:`run_sandboxed` starts ``python -I -S`` on this file (stdlib only, so it runs without the trainer's packages)
-as a small supervisor. The supervisor enters new namespaces where the OS allows them (mount, network, PID), mounts
-private tmpfs folders on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, forks the model's process, which sets its rlimits
-(CPU time, address space, processes, file size, no core), drops to an unprivileged uid of its own when the trainer
-is root (RLIMIT_NPROC is not enforced for root, and another uid cannot read the trainer's 0600 files or
-``/proc/<trainer>/environ``), and execs ``python -I -S main.py``: isolated mode, no ``site``, so no site-packages
-(only the standard library) and none of the trainer's ``PYTHON*`` variables. Its environment is a minimal
-PATH/HOME/LANG. The trainer reads stdout and stderr incrementally, keeps at most ``max_output_chars`` of each and
-drains the rest, and kills the whole process group (and every process of the sandbox's uid) at the wall-clock
-limit. :func:`sandbox_support` says what this OS gave the sandbox, so a tool can say once what it lacks.
+:func:`run_sandboxed` starts ``python -I -S`` on this file (standard library only) as a small supervisor in a new
+session. Where the OS allows, the supervisor enters new mount, network and PID namespaces (a non-root trainer first
+enters a user namespace) and mounts private tmpfs folders (``disk_mb`` each) on the world-writable ``/tmp``,
+``/var/tmp``, ``/dev/shm`` and ``/run/lock``; the working folder is ``/tmp/work`` inside (else a fresh host temp
+folder). It forks the namespace's init, which mounts a private ``/proc`` and forks the model's process. That process
+sets its rlimits (CPU time, address space, processes, file size, no core), drops to an unused uid of its own when
+the trainer is root (RLIMIT_NPROC does not bind root; another uid cannot read the trainer's 0600 files or its
+``/proc/<pid>/environ``), and execs ``python -I -S``: isolated mode and no ``site``, so only the standard library
+(no site-packages, none of the trainer's packages) and a minimal PATH/HOME/LANG environment. The trainer reads
+stdout and stderr as they fill, keeps at most ``max_output_chars`` of each and counts the rest, and at the
+wall-clock limit kills the process group and every process of the run's uid; init's death ends the PID namespace
+and everything in it. :func:`sandbox_support` says what this OS gave, so a tool can say once what it lacks.
+Limits: the code can read world-readable files of the host; without a mount namespace it can write into the host's
+world-writable folders; without a network namespace it has the host's network.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ _PR_SET_PDEATHSIG = 1
 # A block of uids no account uses: each sandbox run as root gets its own, so RLIMIT_NPROC counts only its own
 # processes and two runs at once cannot signal or read each other.
 _UID_BASE, _UID_SLOTS = 1_900_000_000, 1 << 20
-_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # the world-writable folders of a usual Linux
 _CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 _DISK_FULL = re.compile(r"OSError: \[Errno (27|28)\]")  # EFBIG (the file-size rlimit), ENOSPC (a full tmpfs)
 # The model's program runs as main.py in its working folder, opened by a relative path: `python main.py` would make

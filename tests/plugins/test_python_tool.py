@@ -148,10 +148,12 @@ def test_a_fork_bomb_that_catches_its_errors_ends_at_the_wall_clock(trainer):
 
 def test_writes_outside_its_folder_change_nothing_on_the_host(trainer, tmp_path):
     tag = uuid.uuid4().hex  # names no earlier run can have left
-    in_tmp = f"/tmp/palestra-sandbox-test-{tag}"
     refused = [str(tmp_path / "outside.txt"), f"/etc/palestra-sandbox-test-{tag}", f"/root/palestra-sandbox-test-{tag}"]
+    shared = [
+        f"{d}/palestra-sandbox-test-{tag}" for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock") if os.path.isdir(d)
+    ]
     code = textwrap.dedent(f"""
-        for path in {[*refused, in_tmp]!r}:
+        for path in {[*refused, *shared]!r}:
             try:
                 open(path, "w").write("escaped")
                 print("wrote", path)
@@ -164,10 +166,13 @@ def test_writes_outside_its_folder_change_nothing_on_the_host(trainer, tmp_path)
         for path in refused:
             assert f"refused {path}" in result.stdout  # each refused with an error the model reads
         assert not any(os.path.exists(p) for p in refused)
-        if SUPPORT["private_tmp"]:  # without one, the host's /tmp takes it (the documented limit)
-            assert f"wrote {in_tmp}" in result.stdout and not os.path.exists(in_tmp)  # private, gone with the run
+        if SUPPORT["private_tmp"]:  # without one, the host's world-writable folders take them (the documented limit)
+            assert all(
+                f"wrote {p}" in result.stdout for p in shared
+            )  # a private tmpfs took each, and went with the run
+            assert not any(os.path.exists(p) for p in shared)
     finally:
-        for path in [*refused, in_tmp]:  # a failing sandbox must not leave its escape behind
+        for path in [*refused, *shared]:  # a failing sandbox must not leave its escape behind
             if os.path.exists(path):
                 os.remove(path)
 
