@@ -68,7 +68,7 @@ class SandboxLimits:
     cpu_s: int = 5  # RLIMIT_CPU of each process (SIGXCPU, then SIGKILL one second later)
     memory_mb: int = 512  # RLIMIT_AS (address space) of each process
     max_output_chars: int = 4000  # kept of stdout, and of stderr; the rest is read and counted, not stored
-    max_processes: int = 16  # RLIMIT_NPROC of the sandbox's own uid (only enforced when the trainer is root)
+    max_processes: int = 16  # RLIMIT_NPROC: processes of the run's own uid (root), or this many more (non-root)
     network: bool = False  # True keeps the host's network (no network namespace)
     disk_mb: int = 64  # size of each private tmpfs, and RLIMIT_FSIZE of one file
     interpreter: str | None = None  # the child's Python; None: this one, or a system python3 the sandbox uid may run
