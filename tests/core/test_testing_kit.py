@@ -58,6 +58,7 @@ SETTINGS: dict[tuple[str, str], dict[str, Any]] = {
     ("environment", "dataset"): {"options": {"path": str(REPO / "examples" / "data" / "sums.jsonl")}},
     ("reward", "reasoning_gym"): {"environment": "reasoning_gym", "environment_options": {"size": 50, "eval_size": 5}},
     ("tool", "calculator"): {"examples": [{"expression": "437 * 28"}, {"expression": "(312 + 845) / 4"}]},
+    ("tool", "python"): {"examples": [{"code": "print(6 * 7)"}]},
     ("tool", "mcp"): {
         "options": {"command": [sys.executable, str(REPO / "tests" / "fixtures" / "mcp_server.py")]},
         "examples": {"add": [{"a": 2, "b": 3}], "echo": [{"text": "hi"}]},
