@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 PROJECT = "palestra"
 # The version of this contract (the hooks below, the types, the context). A hook renamed or removed, or a type or
-# hook argument changed incompatibly, bumps the major part; docs/plugins.md says what changed for plugin authors.
-PLUGIN_API = "2.0"
+# hook argument changed incompatibly, bumps the major part (a hook or a field added, the minor part); docs/plugins.md
+# says what changed for plugin authors.
+PLUGIN_API = "2.1"
 # A plugin module may declare the plugin API versions it works with, as a version specifier string
 # (PEP 440), e.g. ``PALESTRA_PLUGIN_API = ">=2.0,<3"``; one that excludes PLUGIN_API is disabled with one warning.
 PLUGIN_API_ATTRIBUTE = "PALESTRA_PLUGIN_API"

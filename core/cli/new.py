@@ -82,13 +82,21 @@ SCAFFOLDS: dict[str, Scaffold] = {
         "tab-separated step/key/value lines in <run_dir>/${name}.tsv",
         "tab-separated `step key value` lines in `<run_dir>/${name}.tsv`",
     ),
+    "tool": Scaffold(
+        "register_tools",
+        (("tool", "the tool"),),
+        "build_tool",
+        "${cls}ToolOptions",
+        "count a letter in a word",
+        "counts a letter in a word; its JSON Schema comes from the function's type hints and docstring",
+    ),
 }
 
 HOOK = """
 
 @hookimpl
 def ${hook}(register):
-    # ${kind}.name=${name} in a config; its options are checked against ${options}.
+    # ${config_key}=${name} in a config; its options are checked against ${options}.
     from .${module} import ${factory}, ${options}
 
     register("${name}", ${factory}, options=${options}, description="${description}")
@@ -247,10 +255,11 @@ def render(name: str, kinds: list[str], *, dist: str | None = None) -> dict[str,
     values["files"] = "".join(
         f"| `{name}/{m}.py` | {what} |\n" for kind in kinds for m, what in SCAFFOLDS[kind].modules
     )
-    values["train"] = (
-        "palestra train train.steps=100 "
-        + " ".join(f"{_config_key(kind)}.name={name}" for kind in kinds if kind != "logger")
-        + (f" 'loggers=[{{name: {name}}}]'" if "logger" in kinds else "")
+    values["train"] = " ".join(
+        ["palestra train train.steps=100"]
+        + [f"{_config_key(kind)}.name={name}" for kind in kinds if kind not in ("logger", "tool")]
+        + ([f"'loggers=[{{name: {name}}}]'"] if "logger" in kinds else [])
+        + ([f"'tools.tools=[{{name: {name}}}]'"] if "tool" in kinds else [])  # a list of tools, around the environment
     )
     files = {
         "pyproject.toml": _template("pyproject.toml", values),
@@ -271,6 +280,7 @@ def _template(filename: str, values: dict[str, str]) -> str:
 def _fill(text: str, values: dict[str, str], kind: str, **extra: str) -> str:
     scaffold = SCAFFOLDS[kind]
     fields = {**values, "kind": kind, "hook": scaffold.hook, "module": scaffold.modules[0][0], **extra}
+    fields["config_key"] = {"logger": "loggers[i].name", "tool": "tools.tools[i].name"}.get(kind, f"{kind}.name")
     for key in ("factory", "options", "description"):  # these hold ${cls} / ${name} themselves
         fields[key] = Template(getattr(scaffold, key)).substitute(values)
     return Template(text).substitute(fields)
@@ -282,6 +292,8 @@ def _test_settings(kind: str, name: str, kinds: list[str]) -> str:
         return f', environment="{name}"'  # the reward reads the metadata this environment writes
     if kind == "optimizer" and "policy" in kinds:
         return f', policy="{name}"'
+    if kind == "tool":  # arguments the tool must accept and answer (the kit calls it with them)
+        return ', examples=[{"word": "strawberry", "letter": "r"}]'
     return ""
 
 

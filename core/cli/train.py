@@ -218,6 +218,8 @@ def _train_and_report(trainer: Trainer, resumed_from: Path | None, resume: str |
                 print(f"resuming {resume} from {resumed_from} at step {trainer.step_index} of {config.train.steps}")
             for line in summary(config):
                 print(line)
+            if trainer.trajectory_line:
+                print(trainer.trajectory_line)
             if trainer.dist.enabled:
                 print(
                     f"distributed: {trainer.dist.world_size} ranks, {trainer.dist.backend}, "

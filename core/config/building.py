@@ -110,6 +110,8 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
         if isinstance(env, HeldOutSplit)
         else build_component("environment", config.environment, path="environment")
     )
+    if config.tools is not None:  # every episode a tool-use loop, in training and in held-out evaluation alike
+        env, eval_env = wrap_with_tools([env, eval_env], config)
     reward = build_component("reward", config.reward, path="reward")
     # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
     specs = config.loggers if dist.is_main else []
@@ -138,3 +140,68 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     # Everything the learner needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
     context = TrainContext.for_run(config, dist)
     return RunComponents(config, dist, env, eval_env, reward, loggers, generator, algorithm, policy, reference, context)
+
+
+def build_tools(config: Config) -> list[Any]:
+    """The tools of ``config.tools``: each entry's factory returns one Tool or a list of them; names are unique."""
+    from palestra.tools import Tool
+
+    assert config.tools is not None
+    tools: list[Tool] = []
+    where: dict[str, str] = {}
+    for i, spec in enumerate(config.tools.tools):
+        path = f"tools.tools[{i}]"
+        built = build_component("tool", spec, path=path)
+        for tool in built if isinstance(built, (list, tuple)) else [built]:
+            if not isinstance(tool, Tool):
+                raise ComponentBuildError(
+                    f"{path}: tool {spec.name!r} built a {type(tool).__name__}, not a palestra.tools.Tool"
+                )
+            if tool.name in where:
+                raise ConfigError(
+                    f"{path}: a tool named {tool.name!r} is already offered by {where[tool.name]}; "
+                    "tool names must be unique (rename one in its options)"
+                )
+            where[tool.name] = path
+            tools.append(tool)
+    return tools
+
+
+def check_tool_timeouts(tools: list[Any], config: Config) -> None:
+    """One step of the tool loop runs its rows side by side, each row's calls in turn: up to ``max_tool_calls``
+    calls of the slowest tool, each until its timeout. That must fit in ``train.data_timeout_s``, or a batch of
+    hanging tools would fail the run as a stalled environment instead of answering the model "timed out"."""
+    assert config.tools is not None
+    limit, calls = config.train.data_timeout_s, config.tools.max_tool_calls
+    slowest = max(tools, key=lambda t: t.timeout_s)
+    if limit is not None and calls * slowest.timeout_s >= limit:
+        raise ConfigError(
+            f"tools.max_tool_calls: {calls} calls of tool {slowest.name!r} (timeout_s={slowest.timeout_s:g}) may take "
+            f"{calls * slowest.timeout_s:g} s in one step, not below train.data_timeout_s={limit:g}; raise "
+            "train.data_timeout_s or lower tools.max_tool_calls or the tool's timeout"
+        )
+
+
+def wrap_with_tools(envs: list[Any], config: Config) -> list[Any]:
+    """Each of ``envs`` as a tool-use loop (:class:`palestra.tools.episode.ToolUseEnvironment`) with
+    ``config.tools``; the tools are built once and shared (a tool holding a server is started once)."""
+    from palestra.tools.episode import ToolUseEnvironment
+    from palestra.tools.runner import ToolRunner
+
+    section = config.tools
+    assert section is not None
+    tools = build_tools(config)
+    check_tool_timeouts(tools, config)
+    runner = ToolRunner(tools, max_result_chars=section.max_result_chars)
+    parser = build_component("tool_parser", section.parser, path="tools.parser")
+    return [
+        ToolUseEnvironment(
+            env,
+            runner,
+            parser,
+            max_tool_calls=section.max_tool_calls,
+            system_prompt=section.system_prompt,
+            name=config.environment.name,
+        )
+        for env in envs
+    ]

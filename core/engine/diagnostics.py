@@ -103,7 +103,9 @@ def _logit_norms(policy: Any, batch: Experience, autocast: Any) -> dict[str, flo
     import torch
 
     p, t = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    from palestra.models.policy import attended
+
+    mask = torch.cat([batch.prompt_mask, attended(batch.completion_mask)], dim=1)
     n = int(batch.completion_mask.sum())
     if n == 0:
         return {}

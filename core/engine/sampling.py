@@ -89,12 +89,15 @@ class Sampler:
         autocast: Callable[[], AbstractContextManager[Any]],
         refill_rounds: int = 0,
         groups_short: Callable[[Experience], int] | None = None,
+        trajectory: str = "per_turn",
     ) -> None:
         t = config.train
         self.config = config
         self.env, self.agent_ids, self.policy, self.generator, self.reward = env, agent_ids, policy, generator, reward
         self.dist, self.watchdog, self.autocast = dist, watchdog, autocast
         self.refill_rounds, self.groups_short = refill_rounds, groups_short
+        self.trajectory = trajectory  # "sequence": one row per multi-turn episode (palestra.engine.trajectory)
+        self.max_tokens = config.tools.max_tokens if config.tools is not None else None  # a sequence's token budget
         self.local_batch_size = dist.local_batch_size(t.batch_size)
         self.params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
 
@@ -130,6 +133,8 @@ class Sampler:
                 group_size=t.group_size,
                 seed=derive_seed(seed, "tasks" + stream, step),
                 rng=gen,
+                trajectory=self.trajectory,  # type: ignore[arg-type]
+                max_tokens=self.max_tokens,
             )
         generate_s = time.perf_counter() - started
         # multi-agent: one reward call over every row credit assignment needs (agents.credit "role" gives each agent's
@@ -189,4 +194,8 @@ class Sampler:
         best = self.reward.max_score
         if best is not None:
             metrics["reward/max"] = best
+        if self.config.tools is not None:  # only then: a run without tools logs what it always did
+            from palestra.tools.metrics import tool_metrics
+
+            metrics.update(tool_metrics([ep for r in rounds for ep in r.rollout.episodes]))
         return metrics

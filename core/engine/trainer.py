@@ -42,6 +42,7 @@ from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.learner import Learner
 from palestra.engine.rollout import collect
 from palestra.engine.sampling import Sampled, Sampler, derive_seed, mean64
+from palestra.engine.trajectory import choose_trajectory
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
 from palestra.plugin_manager import get_plugin_manager
 from palestra.run_state import RunState
@@ -130,6 +131,10 @@ class Trainer:
         # The environments as every step calls them: timed and checked against the protocol (built once).
         self.checked_env, self.checked_eval_env = self.checked(self.env), self.checked(self.eval_env)
         agent_ids = self.env.agent_ids if config.agents is not None else ()  # credit assignment's, multi-agent only
+        # one token sequence per multi-turn episode, or per-turn rows (said at start-up: trajectory_line)
+        self.trajectory, self.trajectory_line = choose_trajectory(
+            config.train.trajectory, self.env, self.policy, per_agent=config.agents is not None
+        )
         self.sampler = Sampler(
             config,
             env=self.checked_env,
@@ -142,6 +147,7 @@ class Trainer:
             autocast=self.context.autocast,
             refill_rounds=self.algorithm.refill_rounds,
             groups_short=self.algorithm.groups_short,
+            trajectory=self.trajectory,
         )
         self.local_batch_size = self.sampler.local_batch_size
         # palestra train passes the handlers it holds for the whole command (start-up and the last phase too); the
@@ -258,6 +264,8 @@ class Trainer:
                 params,
                 n,
                 seed=derive_seed(self.config.run.seed, "held-out"),
+                trajectory=self.trajectory,  # type: ignore[arg-type]
+                max_tokens=self.config.tools.max_tokens if self.config.tools is not None else None,
             )
             scored = self.reward.evaluate(*ro.reward_rows())
         comps = {k: mean64(v) for k, v in scored.components.items()}

@@ -78,6 +78,13 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device: Any) -> t
     return ids.to(device), mask.to(device)
 
 
+def attended(completion_mask: torch.Tensor) -> torch.Tensor:
+    """The completion positions a forward reads: every position up to each row's last trained one. Completions are
+    right-padded, so for a single turn this is ``completion_mask`` itself; a multi-turn episode trained as one
+    sequence also holds untrained text between its turns (what the environment said), which the model must read."""
+    return torch.flip(torch.flip(completion_mask, [-1]).long().cumsum(-1), [-1]) > 0
+
+
 class CausalLMPolicy(torch.nn.Module):
     """A causal LM policy (see the module docstring). Subclasses implement :meth:`trunk` and :meth:`output_head`."""
 
@@ -134,9 +141,26 @@ class CausalLMPolicy(torch.nn.Module):
         head, value head). Every parameter lies under exactly one prefix (a tied weight under two)."""
         raise NotImplementedError(f"{type(self).__name__} does not define layer_groups(); multi-agent sharing needs it")
 
+    def prompt_text(self, observation: Observation) -> str:
+        """The text of one observation's prompt, as :meth:`encode_prompt` encodes it: ``observation.prompt`` here;
+        a chat policy renders ``observation.messages`` (and ``observation.tools``) with its template. A multi-turn
+        episode trains as one sequence when each turn's text extends the last (:mod:`palestra.engine.trajectory`)."""
+        return observation.prompt
+
     def encode_prompt(self, observation: Observation) -> list[int]:
-        """Token ids of one observation's prompt. Override to apply a chat template to ``observation.messages``."""
-        return self.tokenizer.encode(observation.prompt)
+        """Token ids of one observation's prompt: :meth:`prompt_text`, encoded."""
+        return self.tokenizer.encode(self.prompt_text(observation))
+
+    def prefix_preserving(self) -> bool:
+        """Whether each turn's prompt text extends the last turn's prompt and completion (so an episode can train as one
+        sequence). True for a plain-text prompt; a chat policy asks its template."""
+        return True
+
+    def token_text(self, token_id: int) -> str:
+        """The text a special token stands for in a rendered prompt (an end-of-turn marker such as ``<|im_end|>``);
+        "" when it has none. The one-sequence trajectory drops it from the text that follows a turn it ended."""
+        del token_id
+        return ""
 
     # ---- provided -------------------------------------------------------------------------------------
     @property
@@ -250,7 +274,7 @@ class CausalLMPolicy(torch.nn.Module):
         p = prompt_ids.shape[1]
         t = completion_ids.shape[1]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        mask = torch.cat([prompt_mask, attended(completion_mask)], dim=1)
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden, _ = self.trunk(input_ids, mask, position_ids)
         states = hidden[:, p - 1 : p + t - 1]  # the state before each completion token predicts it

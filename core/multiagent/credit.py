@@ -32,13 +32,23 @@ RewardRows = tuple[list[str], list[str], list[dict[str, Any]]]
 
 def _row(episode: Episode, turn: int) -> tuple[str, str, dict[str, Any]]:
     """The reward row of ``episode.turns[turn]``: its prompt, its completion, and the episode's metadata plus the
-    turn's ``agent_id``, ``turn`` and the environment's ``info`` (so a reward can score agents differently)."""
+    turn's ``agent_id``, ``turn`` and the environment's ``info`` (so a reward can score agents differently).
+
+    A reward may score the whole trajectory: ``messages`` (the turn's chat messages and its completion as the last
+    ``assistant`` message, plain dicts) in a multi-turn or tool-use episode whose observations have messages, and
+    ``tool_calls`` (every call up to this
+    turn: ``name``, ``arguments``, ``error``, ``latency_s`` and the result ``content``) in a tool-use episode."""
     t = episode.turns[turn]
-    return (
-        t.observation.prompt,
-        t.completion,
-        {**episode.metadata, "agent_id": t.agent_id, "turn": t.observation.turn, "info": t.info},
-    )
+    meta = {**episode.metadata, "agent_id": t.agent_id, "turn": t.observation.turn, "info": t.info}
+    uses_tools = any("tool_calls" in u.info for u in episode.turns)  # a tool-use episode (docs/tools.md)
+    # the whole conversation, for a reward over the trajectory; a single-turn row's metadata stays as it was
+    if t.observation.messages and (uses_tools or len(episode.turns) > 1):
+        meta["messages"] = [m.as_dict() for m in t.observation.messages] + [
+            {"role": "assistant", "content": t.completion}
+        ]
+    if uses_tools:  # every call so far, even none
+        meta["tool_calls"] = [dict(c) for u in episode.turns[: turn + 1] for c in u.info.get("tool_calls", ())]
+    return t.observation.prompt, t.completion, meta
 
 
 def _last_turn(episode: Episode, agent_id: AgentId | None) -> int | None:

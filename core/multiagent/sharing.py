@@ -179,6 +179,15 @@ class MultiAgentPolicy(torch.nn.Module):
     def encode_prompt(self, observation: Observation) -> list[int]:
         return self.base.encode_prompt(observation)
 
+    def prompt_text(self, observation: Observation) -> str:
+        return self.base.prompt_text(observation)
+
+    def token_text(self, token_id: int) -> str:
+        return self.base.token_text(token_id)
+
+    def prefix_preserving(self) -> bool:
+        return bool(self.base.prefix_preserving())
+
     def enable_value_head(self) -> Any:
         """A value head per agent view (heads are never shared: each agent's returns are its own)."""
         # the views are policies of the base's class (built in __init__); ModuleDict types them as Module

@@ -29,6 +29,9 @@ from palestra.testing.policy import RULES as POLICY_RULES
 from palestra.testing.policy import check_policy
 from palestra.testing.reward import RULES as REWARD_RULES
 from palestra.testing.reward import check_reward
+from palestra.testing.tool import PARSER_RULES as TOOL_PARSER_RULES
+from palestra.testing.tool import RULES as TOOL_RULES
+from palestra.testing.tool import check_tool, check_tool_parser
 
 __all__ = [
     "CHECKS",
@@ -40,6 +43,8 @@ __all__ = [
     "check_optimizer",
     "check_policy",
     "check_reward",
+    "check_tool",
+    "check_tool_parser",
 ]
 
 # kind -> its check; the kinds are the registry's (generators have no check of their own: check_policy samples
@@ -50,6 +55,8 @@ CHECKS: dict[str, Callable[..., None]] = {
     "optimizer": check_optimizer,
     "policy": check_policy,
     "logger": check_logger,
+    "tool": check_tool,
+    "tool_parser": check_tool_parser,
 }
 
 # kind -> rule name -> what the rule asks
@@ -59,6 +66,8 @@ RULES: dict[str, dict[str, str]] = {
     "optimizer": OPTIMIZER_RULES,
     "policy": POLICY_RULES,
     "logger": LOGGER_RULES,
+    "tool": TOOL_RULES,
+    "tool_parser": TOOL_PARSER_RULES,
 }
 
 

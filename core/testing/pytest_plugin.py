@@ -6,6 +6,9 @@ installed. It provides one fixture::
     def test_my_reward_keeps_the_contract(palestra_contract):
         palestra_contract("reward", "my_reward", environment="my_env")
 
+    def test_my_tool_keeps_the_contract(palestra_contract):
+        palestra_contract("tool", "my_tool", examples=[{"city": "Paris"}])
+
 ``palestra_contract(kind, name_or_factory, options=None, **kwargs)`` runs ``palestra.testing.check_<kind>``
 and turns a broken rule into a one-line test failure (no traceback: the line says it all). Loading this
 module imports neither torch nor the kit; the fixture does, when a test asks for it.

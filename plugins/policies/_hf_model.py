@@ -8,6 +8,7 @@ defining them imports torch: ``hf.py`` loads this module on first use, so that l
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import mmap
@@ -24,6 +25,7 @@ import torch
 from palestra.config import ConfigError, check_options
 from palestra.models.policy import CausalLMPolicy
 from palestra.models.progress_bars import transformers_bars_off
+from palestra.plugins.policies._chat import ChatRenderer
 from palestra.plugins.policies.hf import (
     WHERE,
     HFOptions,
@@ -435,12 +437,26 @@ class HFPolicy(CausalLMPolicy):
         config = self.hf_model.config
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 
-    def encode_prompt(self, observation: Observation) -> list[int]:
-        """The chat template over ``observation.messages`` when enabled and present; the prompt text otherwise."""
+    def prompt_text(self, observation: Observation) -> str:
+        """The chat template over ``observation.messages`` (and its tools) when enabled and present; the prompt text
+        otherwise, after the tools' description when the observation offers tools."""
         if self._use_chat and observation.messages:
-            text = self.tokenizer.apply_chat_template([m.as_dict() for m in observation.messages])
-            return self.tokenizer.encode(text)
-        return self.tokenizer.encode(observation.prompt)
+            return self.chat.render(observation)
+        if observation.tools and observation.tool_prompt:
+            return f"{observation.tool_prompt}\n\n{observation.prompt}"
+        return observation.prompt
+
+    @functools.cached_property
+    def chat(self) -> ChatRenderer:
+        """How this policy renders chats and tools with its template (:mod:`palestra.plugins.policies._chat`)."""
+        return ChatRenderer(self.tokenizer.hf)
+
+    def prefix_preserving(self) -> bool:
+        """Whether each turn's rendered prompt extends the last one (always, without a chat template)."""
+        return not self._use_chat or self.chat.prefix_preserving
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.hf.decode([int(token_id)], skip_special_tokens=False))
 
     # -- export --
     def save_pretrained(self, folder: str | Path, *, merge_lora: bool = True, dtype: torch.dtype | None = None) -> None:

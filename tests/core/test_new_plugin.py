@@ -210,3 +210,36 @@ def test_the_command_is_listed_in_the_help(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "new" in capsys.readouterr().out
+
+
+# ---- a tool plugin --------------------------------------------------------------------------------------------
+@pytest.mark.pip_install
+def test_a_generated_tool_plugin_installs_is_listed_and_passes_its_own_contract_test(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")  # Tool.from_function derives the tool's schema through it
+    assert main(["new", "plugin", "letters", "--kinds", "tool", "--dir", str(tmp_path / "src")]) == 0
+    package = tmp_path / "src" / "letters"
+    assert "'tools.tools=[{name: letters}]'" in (package / "README.md").read_text()
+    site = tmp_path / "site"
+    install = plugin_installs.run_python(
+        ["-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir", "--no-compile",
+         "--disable-pip-version-check", "--quiet", "--target", str(site), str(package)], [], tmp_path)  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+
+    listed = plugin_installs.run_palestra(["plugins"], [site], tmp_path)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    assert listed.stdout.splitlines()[-1].split() == ["letters", "letters", "0.1.0", "(API", ">=2.0,<3)",
+                                                      "register_tools", "tools:", "letters"]  # fmt: skip
+    tested = plugin_installs.run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider"], [site], package,
+                                        OMP_NUM_THREADS="1")  # fmt: skip
+    assert tested.returncode == 0 and "2 passed" in tested.stdout, tested.stdout + tested.stderr
+
+    # The generated test can fail: a tool that miscounts still runs, but one that raises on the example is caught.
+    tool = package / "letters" / "tool.py"  # python -m pytest imports the source copy (its folder is first on the path)
+    tool.write_text(tool.read_text().replace("return word.count(letter)", "raise RuntimeError('no dictionary')"))
+    broken = plugin_installs.run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider"], [site], package,
+                                        OMP_NUM_THREADS="1")  # fmt: skip
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert (
+        'tool \'letters\'.fn: rule \'examples run\': tool \'letters\' on {"word": "strawberry", "letter": "r"} '
+        "raised RuntimeError: no dictionary" in broken.stdout
+    ), broken.stdout

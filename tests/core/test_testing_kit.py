@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,19 @@ SETTINGS: dict[tuple[str, str], dict[str, Any]] = {
     ("policy", "tiny"): {"options": {k: v for k, v in TINY_POLICY.items() if k != "seed"}},
     ("environment", "dataset"): {"options": {"path": str(REPO / "examples" / "data" / "sums.jsonl")}},
     ("reward", "reasoning_gym"): {"environment": "reasoning_gym", "environment_options": {"size": 50, "eval_size": 5}},
+    ("tool", "calculator"): {"examples": [{"expression": "437 * 28"}, {"expression": "(312 + 845) / 4"}]},
+    ("tool", "python"): {"examples": [{"code": "print(6 * 7)"}]},
+    ("tool", "mcp"): {
+        "options": {"command": [sys.executable, str(REPO / "tests" / "fixtures" / "mcp_server.py")]},
+        "examples": {"add": [{"a": 2, "b": 3}], "echo": [{"text": "hi"}]},
+    },
 }
-SLOW = {("logger", "wandb"), ("policy", "hf")}  # wandb starts its offline run machinery; hf builds a model folder
+# wandb starts its offline run machinery; hf builds a model folder; mcp starts a server
+SLOW = {
+    ("logger", "wandb"),
+    ("policy", "hf"),
+    ("tool", "mcp"),
+}  # wandb starts its offline run machinery; hf builds a model folder
 
 
 def builtins() -> list[Any]:
