@@ -15,16 +15,14 @@ It runs on one thread (the machine is shared), from the repository root:
 
     OMP_NUM_THREADS=1 python bench/smollm2_tool_probe.py --problems 40 --samples 8
 
-The calculator here is a stand-in with the built-in tool's name and argument (``expression``); the probe scores an
-expression by its value (an AST walk over + - * / and parentheses), so "437*28" and "28 * 437" both count.
+The calculator is the built-in tool (its description, and its results); an expression counts as right when the
+tool's result is the answer, so "437*28" and "28 * 437" both count.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import operator
 import re
 import time
 from pathlib import Path
@@ -63,39 +61,23 @@ def shot_call(expression: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+def _tool() -> Any:
+    """The built-in calculator tool (plugins/tools/calculator.py), with its default options."""
+    from palestra.plugins.tools.calculator import calculator
+
+    return calculator()
 
 
-def calc(expression: str) -> float | None:
-    """The value of + - * / over numbers, or None: the stand-in for the built-in calculator tool."""
-
-    def walk(node: ast.AST) -> float:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](walk(node.left), walk(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        raise ValueError("not arithmetic")
-
+def calc(expression: str) -> str | None:
+    """The built-in calculator's result for ``expression``, or None where it refuses it."""
     try:
-        return walk(ast.parse(expression, mode="eval"))
-    except (ValueError, SyntaxError, ZeroDivisionError, TypeError):
+        return str(_tool().fn(expression=expression))
+    except ValueError:
         return None
 
 
-def calculator(expression: str) -> str:
-    """Evaluates an arithmetic expression and returns the result.
-
-    Args:
-        expression: The arithmetic expression to evaluate, e.g. "437 * 28" or "312 + 845 + 109 + 560".
-    """
-    value = calc(expression)
-    if value is None:
-        return "error: not an arithmetic expression"
-    return str(int(value)) if float(value).is_integer() else str(value)
+def right(expression: str | None, answer: int) -> bool:
+    return expression is not None and calc(expression) == str(answer)
 
 
 def held_out(eval_size: int) -> list[dict[str, Any]]:
@@ -117,13 +99,22 @@ def load() -> tuple[Any, Any]:
     return tok, model
 
 
+TEMPERATURE = [1.0]  # set from --temperature
+
+
 def generate(tok: Any, model: Any, text: str, *, max_new: int, samples: int = 0) -> list[str]:
     import torch
 
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
     kwargs: dict[str, Any] = {"do_sample": False}
     if samples:
-        kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "num_return_sequences": samples}
+        kwargs = {
+            "do_sample": True,
+            "temperature": TEMPERATURE[0],
+            "top_k": 0,
+            "top_p": 1.0,
+            "num_return_sequences": samples,
+        }
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new, pad_token_id=tok.eos_token_id, **kwargs)
     n = ids["input_ids"].shape[1]
@@ -203,17 +194,16 @@ def probe_variant(tok: Any, model: Any, rows: list[dict[str, Any]], variant: dic
         turn = generate(tok, model, text, max_new=48)[0]
         ok, expr = first_call(turn)
         calls += ok
-        good = expr is not None and calc(expr) is not None and calc(expr) == row["answer"]
-        right_expr += good
+        right_expr += right(expr, row["answer"])
         if ok:  # the tool's true result of the model's own expression, then the second turn
-            result = calculator(expr)  # type: ignore[arg-type]
+            result = calc(expr) or "error: not an arithmetic expression"  # type: ignore[arg-type]
             after = [*msgs, {"role": "assistant", "content": turn.strip()}, {"role": "tool", "content": result}]
             final += answered(generate(tok, model, render(tok, after), max_new=16)[0], row["answer"])
         if samples:
             for s in generate(tok, model, text, max_new=48, samples=samples):
                 ok_s, expr_s = first_call(s)
                 sampled_calls += ok_s
-                sampled_right += expr_s is not None and calc(expr_s) == row["answer"]
+                sampled_right += right(expr_s, row["answer"])
     n = len(rows)
     out = {"call_rate": calls / n, "right_expression": right_expr / n, "answered_after_tool": final / n}
     if samples:
@@ -222,9 +212,7 @@ def probe_variant(tok: Any, model: Any, rows: list[dict[str, Any]], variant: dic
 
 
 def _spec() -> dict[str, Any]:
-    from palestra.tools import Tool
-
-    return Tool.from_function(calculator).spec()
+    return dict(_tool().spec())
 
 
 def no_tool_chat(row: dict[str, Any], shots: int) -> list[dict[str, str]]:
@@ -253,6 +241,8 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=40)
     p.add_argument("--eval-size", type=int, default=40)
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled first turns")
+    p.add_argument("--no-tool", action=argparse.BooleanOptionalAction, default=True, help="measure the baselines")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--show", type=int, default=2, help="print the first turns of this many problems per variant")
     args = p.parse_args()
@@ -265,7 +255,8 @@ def main() -> None:
     tok, model = load()
     spec = _spec()
     print(json.dumps({"template": template_checks(tok, spec), "load_s": round(time.time() - start, 1)}), flush=True)
-    for shots in (0, 2):
+    TEMPERATURE[0] = args.temperature
+    for shots in (0, 2) if args.no_tool else ():
         print(json.dumps({"no_tool": no_tool(tok, model, rows, shots), "shots": shots, "n": len(rows)}), flush=True)
     for name in args.variants.split(","):
         variant = VARIANTS[name]
