@@ -8,15 +8,18 @@ in all?"); the two kinds alternate. Each row has
 * ``messages`` (for the run with the calculator): two worked problems, each the user's question, the model's
   ``calculator`` call in the hermes format, the tool's result and the model's ``<answer>N</answer>``, then the
   question. No system message: the ``tools:`` section's ``system_prompt`` and the tool's description make it. A
-  135M model almost never calls a tool it is only told about; after the two worked problems it calls the
-  calculator with the right expression about a third of the time (bench/smollm2_tool_probe.py);
+  135M model almost never calls a tool it is only told about; after the two worked problems its greedy first turn
+  calls the calculator 17 times in 20, with the right expression 11 times (bench/smollm2_tool_probe.py);
 * ``messages_no_tool`` (for the same model without the tool, the baseline): a system message, the same two
   problems answered directly in the tag, then the question;
 * ``answer``: the exact result, an integer (the ``correctness`` reward reads the last ``<answer>`` tag and
   compares by value);
 * ``kind``: ``product`` or ``sum`` (a metadata column, for reading results per kind).
 
-Every question asks for the final answer as ``<answer>N</answer>``.
+The no-tool questions end by asking for the final answer as ``<answer>N</answer>``; the tool chats' questions do
+not, as the example's ``tools.system_prompt`` says it: with the request repeated in every question, the model calls
+the calculator less often (greedy: 12 of 20 problems against 17; bench/smollm2_tool_probe.py, variants short_shot2
+and short_shot2_noask).
 
     python examples/data/make_word_problems.py
 
@@ -34,7 +37,7 @@ ROWS = 400  # 200 of each kind
 SEED = 24
 
 SYSTEM = "You are a careful assistant who solves arithmetic word problems."  # the no-tool chats' system message
-ASK = "Give the final answer as <answer>N</answer>."
+ASK = "Give the final answer as <answer>N</answer>."  # ends the no-tool questions
 
 # The worked problems every chat starts with (a product, then a sum): the question, the expression, the value. Their
 # wording is in neither template list below, so no row repeats them.
@@ -90,12 +93,12 @@ def with_tool(question: str) -> list[dict[str, str]]:
     shown: list[dict[str, str]] = []
     for shot, expression, value in SHOTS:
         shown += [
-            {"role": "user", "content": f"{shot} {ASK}"},
+            {"role": "user", "content": shot},
             {"role": "assistant", "content": tool_call(expression)},
             {"role": "tool", "content": str(value)},
             {"role": "assistant", "content": f"<answer>{value}</answer>"},
         ]
-    return [*shown, {"role": "user", "content": f"{question} {ASK}"}]
+    return [*shown, {"role": "user", "content": question}]
 
 
 def without_tool(question: str) -> list[dict[str, str]]:

@@ -38,9 +38,8 @@ def test_every_answer_is_the_product_or_the_sum_of_the_question_numbers(rows: li
     kinds = {"product": 0, "sum": 0}
     for row in rows:
         question = row["messages"][-1]["content"]
-        assert row["messages_no_tool"][-1]["content"] == question
-        assert question.endswith("Give the final answer as <answer>N</answer>.")
-        found = numbers(question.removesuffix("Give the final answer as <answer>N</answer>."))
+        assert row["messages_no_tool"][-1]["content"] == f"{question} Give the final answer as <answer>N</answer>."
+        found = numbers(question)
         if row["kind"] == "product":
             a, b = found
             assert 100 <= a <= 999 and 10 <= b <= 99
@@ -64,7 +63,7 @@ def test_the_worked_calls_parse_and_their_results_are_right(rows: list[dict[str,
         assert not turn.errors and [c.name for c in turn.calls] == ["calculator"]
         expression = turn.calls[0].arguments["expression"]
         terms = numbers(expression)
-        assert terms == numbers(question["content"].split("Give")[0])  # the expression uses the question's numbers
+        assert terms == numbers(question["content"])  # the expression uses the question's numbers
         value = terms[0] * terms[1] if "*" in expression else sum(terms)
         assert result == str(value)
 
