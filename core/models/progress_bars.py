@@ -4,9 +4,12 @@ shard) drawn on stderr: useful on a terminal, noise in a log file or a command t
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.util
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["transformers_bars_off"]
 
@@ -22,11 +25,26 @@ def transformers_bars_off(*, unless_terminal: bool = False) -> Iterator[None]:
 
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    # Reading a GGUF file draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors") that transformers'
+    # switch above does not reach: that module's tqdm is swapped for a silent one for the block.
+    gguf = _gguf_module()
+    plain = getattr(gguf, "tqdm", None)
+    if plain is not None:
+        gguf.tqdm = functools.partial(plain, disable=True)
     try:
         yield
     finally:
+        if plain is not None:
+            gguf.tqdm = plain
         if was_on:
             hf_logging.enable_progress_bar()
+
+
+def _gguf_module() -> Any:
+    try:
+        return importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except Exception:  # noqa: BLE001 - an optional module that fails to import has no bar to silence
+        return None
 
 
 def _stderr_is_terminal() -> bool:

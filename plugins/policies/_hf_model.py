@@ -282,13 +282,15 @@ class HFPolicy(CausalLMPolicy):
         import transformers
 
         common = {"local_files_only": True, "trust_remote_code": o.trust_remote_code}
-        config = _read_config(transformers, src, common)
+        with transformers_bars_off(unless_terminal=True):  # reading a GGUF's config converts its tensors, with a bar
+            config = _read_config(transformers, src, common)
         self._check_causal(config, src.source, src.model_key)
         dtype = _resolve_dtype(o.dtype, config)
         # What an export writes by default: the dtype the weights came in. A GGUF holds 16-bit or quantised values,
         # so bf16 keeps them (float32 would quadruple a 100 MB file into 540 MB of the same numbers, near enough).
         self.source_dtype = torch.bfloat16 if src.from_file and o.dtype == "auto" else dtype
-        self.tokenizer = _load_tokenizer(transformers, src, config, common)
+        with transformers_bars_off(unless_terminal=True):
+            self.tokenizer = _load_tokenizer(transformers, src, config, common)
         rows = _vocab_rows(config)
         if rows is not None:  # before loading any weights: a mismatch should not cost a 10 GB read
             _check_tokenizer_fits(self.tokenizer, rows, **src.paths)

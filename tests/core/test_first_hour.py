@@ -243,3 +243,19 @@ def test_only_a_few_far_outliers_are_taken_off_the_axis() -> None:
     assert robust_range([0.0, 1.0, 2.0] * 100 + [1.0] * 300) is None  # discrete levels are data, not outliers
     heavy = [0.2 + 0.01 * (i % 7) for i in range(900)] + [5.0 + i for i in range(100)]
     assert robust_range(heavy) is None  # a tenth of the values far out: a heavy tail, drawn whole
+
+
+def test_loading_a_gguf_draws_no_bars_into_a_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # transformers' own switch leaves the GGUF reader's plain tqdm bar ("Converting and de-quantizing GGUF
+    # tensors...") on: a log got one per load until the loader silenced that module's bar too
+    pytest.importorskip("gguf")
+    import tiny_gguf
+
+    from palestra.config import build_component
+
+    gguf_path, _ = tiny_gguf.build_llama_gguf(tmp_path / "f32")
+    capfd.readouterr()
+    options = {"path": str(gguf_path.parent), "gguf_file": tiny_gguf.GGUF_NAME}
+    build_component("policy", {"name": "hf", "options": options}, path="policy")
+    err = capfd.readouterr().err
+    assert "Converting and de-quantizing" not in err and "Loading weights" not in err, err[-500:]
