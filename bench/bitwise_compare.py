@@ -152,7 +152,8 @@ def old_mappo_layout(flat: dict[str, Any]) -> bool:
 
 
 # Keys later commits added, each with a value that does not change training: a LoRA base's fingerprint (issue 23),
-# the torch thread count and its config key (issue 27), the tools section and the trajectory layout (issue 24). Dropped from the after side when the before side lacks them.
+# the torch thread count and its config key (issue 27), the tools section and the trajectory layout (issue 24).
+# Dropped from the after side when the before side lacks them.
 ADDED_KEYS = ("base_fingerprint", "threads", "config.train.threads", "config.tools", "config.train.trajectory")
 
 
