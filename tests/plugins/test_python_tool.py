@@ -316,7 +316,12 @@ def test_a_trainer_that_is_not_root_is_contained_too(tmp_path):
             "import os\nwhile True: os.fork()",
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
         ]
-        folder = os.path.dirname(sandbox_module.__file__)
+        # the unprivileged trainer imports the sandbox from a copy it may read: the checkout may sit in a folder
+        # only root can enter (a clean clone under a 0700 mktemp folder, in CI)
+        folder = tempfile.mkdtemp(prefix="palestra-sandbox-copy-")
+        os.chmod(folder, 0o755)
+        shutil.copy(sandbox_module.__file__, os.path.join(folder, "sandbox.py"))
+        os.chmod(os.path.join(folder, "sandbox.py"), 0o644)
         done = subprocess.run(
             [python, "-I", "-c", _NOBODY_SCRIPT, folder, *codes],
             capture_output=True,
@@ -328,6 +333,7 @@ def test_a_trainer_that_is_not_root_is_contained_too(tmp_path):
             env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
             timeout=120,
         )
+        shutil.rmtree(folder)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["uid"] == 65534 and report["answers"][0] == "ok"
