@@ -370,10 +370,12 @@ def _summary(
         return f"killed: file size limit ({limits.disk_mb:g} MB)"
     if sig is not None:
         return f"killed: signal {signal.Signals(sig).name}"
-    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
     if exit_code and last.startswith("MemoryError"):
         return f"MemoryError: memory limit ({limits.memory_mb:g} MB)"
-    if exit_code and last.startswith("BlockingIOError") and "Resource temporarily unavailable" in last:
+    # a fork bomb's processes fail together and their tracebacks interleave: the refused fork may be on any line
+    if exit_code and any(x.startswith("BlockingIOError") and "Resource temporarily unavailable" in x for x in lines):
         return f"BlockingIOError: process limit ({limits.max_processes} processes)"
     if exit_code and _DISK_FULL.match(last):
         return f"OSError: disk limit ({limits.disk_mb:g} MB)"  # the file-size rlimit, or the private tmpfs full

@@ -64,7 +64,8 @@ def trainer(tmp_path, monkeypatch):
     fds = sorted(os.listdir("/proc/self/fd"))
     yield host_tmp
     assert {r: resource.getrlimit(r) for r in _LIMITS} == limits
-    assert sorted(os.listdir("/proc/self/fd")) == fds, "a pipe of the run was left open"
+    # no descriptor opened that stays open (others may close meanwhile: the suite's background runs own some)
+    assert set(os.listdir("/proc/self/fd")) <= set(fds), "a pipe of the run was left open"
     assert sandbox_processes() == []
     assert list(host_tmp.iterdir()) == [], "the run's temporary folder was not removed"
 
