@@ -19,12 +19,24 @@ def write_config(folder: Path, raw: dict[str, Any]) -> Path:
     return path
 
 
+def install_plugin(folder: Path, module: str, source: str, entry: str) -> Path:
+    """`source` as an installed plugin distribution in `folder`: the module and a dist-info naming it as the
+    `palestra` entry point `entry`, as pip would leave it (put `folder` on PYTHONPATH through `clean_env`)."""
+    (folder / f"{module}.py").write_text(source)
+    distribution = f"palestra-{entry.replace('_', '-')}-plugin"
+    info = folder / f"{distribution.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[palestra]\n{entry} = {module}\n")
+    return folder
+
+
 def clean_env(site: Path | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
     }
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site) if site else "")
     return env

@@ -76,7 +76,7 @@ class ToolUseEnvironment:
             )
         self.inner, self.runner, self.parser = inner, runner, parser
         self.agent_ids: tuple[AgentId, ...] = tuple(inner.agent_ids)
-        self.max_tool_calls = max_tool_calls
+        self.max_tool_calls, self.system_prompt = max_tool_calls, system_prompt
         self.max_turns = max_tool_calls + 1
         self.specs = [t.spec() for t in runner.tools.values()]
         described = parser.describe(self.specs)
@@ -172,11 +172,10 @@ class ToolUseEnvironment:
 
     def _held_out(self) -> ToolUseEnvironment:
         """The wrapped environment's held-out split, with the same tools."""
-        wrapped = ToolUseEnvironment(
+        return ToolUseEnvironment(
             self.inner.held_out(),  # type: ignore[attr-defined]
             self.runner,
             self.parser,
             max_tool_calls=self.max_tool_calls,
+            system_prompt=self.system_prompt,
         )
-        wrapped.tool_prompt = self.tool_prompt
-        return wrapped

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_processes import clean_env, error_line, palestra, start, write_config
+from train_processes import clean_env, error_line, install_plugin, palestra, start, write_config
 
 from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import check_reset, check_step
@@ -126,13 +126,7 @@ PLUGIN_SOURCE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin above as an installed distribution: the module and a dist-info with its entry point."""
-    site = tmp_path_factory.mktemp("bad-input-plugin")
-    (site / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
-    info = site / "palestra_bad_input_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palestra-bad-input-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[palestra]\nbad_input = {PLUGIN}\n")
-    return site
+    return install_plugin(tmp_path_factory.mktemp("bad-input-plugin"), PLUGIN, PLUGIN_SOURCE, "bad_input")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from train_processes import error_line, palestra, write_config
+from train_processes import error_line, install_plugin, palestra, write_config
 
 from palestra.engine.rollout import run_episodes
 from palestra.errors import ConfigError
@@ -259,13 +259,7 @@ PLUGIN_SOURCE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tool plugin above as an installed distribution: the module and a dist-info with its entry point."""
-    site = tmp_path_factory.mktemp("tool-plugin")
-    (site / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
-    info = site / "palestra_tool_loop_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palestra-tool-loop-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[palestra]\ntool_loop = {PLUGIN}\n")
-    return site
+    return install_plugin(tmp_path_factory.mktemp("tool-plugin"), PLUGIN, PLUGIN_SOURCE, "tool_loop")
 
 
 def tools_section(*tools: dict[str, Any]) -> dict[str, Any]:

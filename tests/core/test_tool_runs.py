@@ -8,7 +8,6 @@ any turn not starting with a digit: episodes of 1-3 turns, each call really run,
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from train_processes import clean_env, install_plugin, write_config
 
 from palestra.engine import checkpoint as ckpt
 
@@ -90,13 +90,7 @@ TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_len": 512, 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tool-runs-plugin")
-    (folder / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
-    info = folder / "palestra_tool_runs_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palestra-tool-runs-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[palestra]\ntool_runs = {PLUGIN}\n")
-    return folder
+    return install_plugin(tmp_path_factory.mktemp("tool-runs-plugin"), PLUGIN, PLUGIN_SOURCE, "tool_runs")
 
 
 def config(folder: Path, *, nap: dict[str, float] | None = None, **train: Any) -> Path:
@@ -114,21 +108,11 @@ def config(folder: Path, *, nap: dict[str, float] | None = None, **train: Any) -
         "train": {"steps": 6, "batch_size": 4, "group_size": 2, "lr": 1e-2, "max_new_tokens": 6,
                   "temperature": 1.0, "device": "cpu", "eval_size": 4, "save_every": 0, **train},
     }  # fmt: skip
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def env_with(site: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALESTRA_", "TORCHELASTIC_"))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(site))
-    return env
+    return write_config(folder, raw)
 
 
 def train(args: list[str], cwd: Path, site: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=cwd, env=env_with(site),
+    return subprocess.Popen([sys.executable, "-m", "palestra", "train", *args], cwd=cwd, env=clean_env(site),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -191,7 +175,7 @@ def test_a_tool_run_on_two_torchrun_ranks(tmp_path: Path, site: Path) -> None:
     path.write_text(yaml.safe_dump(raw))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "palestra", "train", "--config", str(path)]  # fmt: skip
-    out = subprocess.run(cmd, cwd=tmp_path, env=env_with(site), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(cmd, cwd=tmp_path, env=clean_env(site), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trajectory: one token sequence per episode" in out.stdout
     steps = [m for m in log(tmp_path / "runs" / "r") if "tools/calls_per_episode" in m]
