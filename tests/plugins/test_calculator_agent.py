@@ -43,8 +43,7 @@ def episodes() -> Iterator[Callable[..., list[Episode]]]:
 def answer_from_result(obs: Observation) -> str:
     """Calls the calculator on the task's question, then answers with what the tool said."""
     if obs.turn == 0:
-        question = obs.prompt.removesuffix(" =").strip()
-        return call(question)
+        return call(obs.metadata["question"])
     messages = obs.messages or []
     return f"<answer>{messages[-1].content}</answer>"
 
@@ -60,8 +59,8 @@ def test_the_calculator_agent_calls_the_tool_and_answers(episodes: Callable[...,
     _, completions, metadata = reward_rows(played)
     correctness = build_component("reward", {"name": "correctness"}, path="reward")
     tool_format = build_component("reward", {"name": "tool_format"}, path="reward")
-    assert correctness(["", ""], completions, metadata).tolist() == [1.0, 1.0]
-    assert tool_format(["", ""], completions, metadata).tolist() == [1.0, 1.0]
+    assert correctness(["", ""], completions, metadata).scores.tolist() == [1.0, 1.0]
+    assert tool_format(["", ""], completions, metadata).scores.tolist() == [1.0, 1.0]
     assert [len(m["tool_calls"]) for m in metadata] == [1, 1] and metadata[0]["tool_calls"][0]["error"] is None
 
 
@@ -74,12 +73,8 @@ def test_a_broken_call_is_an_error_the_model_reads(episodes: Callable[..., list[
     assert tool.role == "tool" and tool.content.startswith("error: 'calculator' raised ValueError: not an arithmetic")
     metadata = reward_rows(played)[2]
     assert metadata[0]["tool_calls"][0]["error"] == "raised"
-    assert build_component("reward", {"name": "tool_format"}, path="reward")(
-        [""] * 2, ["x"] * 2, metadata
-    ).tolist() == [
-        0.5,
-        0.5,
-    ]
+    tool_format = build_component("reward", {"name": "tool_format"}, path="reward")
+    assert tool_format([""] * 2, ["x"] * 2, metadata).scores.tolist() == [0.5, 0.5]
 
 
 def test_the_agent_stops_at_max_turns_unanswered(episodes: Callable[..., list[Episode]]) -> None:
@@ -92,7 +87,7 @@ def test_the_agent_stops_at_max_turns_unanswered(episodes: Callable[..., list[Ep
 def test_agent_reward_gives_the_reported_reward_and_the_default_for_none() -> None:
     reward = build_component("reward", {"name": "agent_reward", "options": {"missing": -1.0}}, path="reward")
     metadata = [{"info": {"agent_reward": 0.25}}, {"info": {"agent_reward": None}}, {}]
-    assert reward(["", "", ""], ["", "", ""], metadata).tolist() == [0.25, -1.0, -1.0]
+    assert reward(["", "", ""], ["", "", ""], metadata).scores.tolist() == [0.25, -1.0, -1.0]
 
 
 def test_the_contract_kit_passes_the_calculator_agent() -> None:
