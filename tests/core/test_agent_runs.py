@@ -193,6 +193,7 @@ def agent_config(raw_config: Any, agent: dict[str, Any], **train: Any) -> dict[s
     return raw
 
 
+@pytest.mark.slow
 def test_a_training_run_with_a_third_party_agent_logs_the_agent_metrics(
     tmp_path: Path, plugin_site: Path, raw_config: Any
 ) -> None:
