@@ -31,7 +31,7 @@ PROJECT = "palestra"
 # The version of this contract (the hooks below, the types, the context). A hook renamed or removed, or a type or
 # hook argument changed incompatibly, bumps the major part (a hook or a field added, the minor part); docs/plugins.md
 # says what changed for plugin authors.
-PLUGIN_API = "2.1"
+PLUGIN_API = "2.2"
 # A plugin module may declare the plugin API versions it works with, as a version specifier string
 # (PEP 440), e.g. ``PALESTRA_PLUGIN_API = ">=2.0,<3"``; one that excludes PLUGIN_API is disabled with one warning.
 PLUGIN_API_ATTRIBUTE = "PALESTRA_PLUGIN_API"
@@ -101,6 +101,13 @@ def register_tool_parsers(register: RegisterFn) -> None:
     """Register tool-call parsers (:class:`palestra.tools.ToolCallParser`): how a model's text is read as tool calls
     (``hermes``: ``<tool_call>{json}</tool_call>``), and how tools are described to a model whose chat template has no
     tool section."""
+
+
+@hookspec
+def register_agents(register: RegisterFn) -> None:
+    """Register agents (:class:`palestra.agents.Agent`): code with ``async def rollout(client, task)`` that plays an
+    environment's task through an OpenAI-compatible client pointed at the policy under training (the ``agent:``
+    section; docs/environments.md). It returns an :class:`palestra.agents.AgentResult` or the answer as a str."""
 
 
 # ---- lifecycle --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ KINDS: dict[str, str] = {
     "generator": "register_generators",
     "tool": "register_tools",
     "tool_parser": "register_tool_parsers",
+    "agent": "register_agents",
 }
 
 

@@ -103,6 +103,7 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     random.seed(config.run.seed)
     torch.manual_seed(config.run.seed)
     set_backend(config.kernels.backend)
+    check_agent_section(config)
     env = build_component("environment", config.environment, path="environment")
     # A data set's own held-out split when it keeps one; else a second instance (evaluated on held-out seeds).
     eval_env = (
@@ -112,6 +113,8 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     )
     if config.tools is not None:  # every episode a tool-use loop, in training and in held-out evaluation alike
         env, eval_env = wrap_with_tools([env, eval_env], config)
+    if config.agent is not None:  # agent code plays every episode through the rollout endpoint (one for both)
+        env, eval_env = wrap_with_agent([env, eval_env], config)
     reward = build_component("reward", config.reward, path="reward")
     # Loggers live on rank 0 only: the other ranks' metrics reach it through the all-reduce.
     specs = config.loggers if dist.is_main else []
@@ -202,6 +205,60 @@ def wrap_with_tools(envs: list[Any], config: Config) -> list[Any]:
             max_tool_calls=section.max_tool_calls,
             system_prompt=section.system_prompt,
             name=config.environment.name,
+        )
+        for env in envs
+    ]
+
+
+def check_agent_section(config: Config) -> None:
+    """The ``agent:`` section's conflicts, before anything is built: one line each."""
+    section = config.agent
+    if section is None:
+        return
+    if config.tools is not None:
+        raise ConfigError(
+            "agent: an agent runs its own tools (it sends their specs with its requests); remove the tools: section, "
+            "or the agent: section to train the built-in tool loop"
+        )
+    limit = config.train.data_timeout_s
+    if limit is not None and section.request_timeout_s >= limit:
+        raise ConfigError(
+            f"agent.request_timeout_s: {section.request_timeout_s:g} s is not below train.data_timeout_s={limit:g}; "
+            "a silent agent must time out before the environment step does (lower it or raise train.data_timeout_s)"
+        )
+
+
+def wrap_with_agent(envs: list[Any], config: Config) -> list[Any]:
+    """Each of ``envs`` played by the ``agent:`` section's agent (:class:`palestra.agents.bridge.AgentEnvironment`),
+    through one rollout endpoint; it starts at the first rollout and stops when training ends."""
+    from palestra.agents.bridge import AgentEnvironment
+    from palestra.agents.server import AgentServer
+    from palestra.registry import Requirement
+
+    section = config.agent
+    assert section is not None
+    for module in ("fastapi", "uvicorn", "openai"):  # the endpoint and the client the agents are handed
+        needed = Requirement(module, 'pip install "palestra[agents]"')
+        if not needed.installed():
+            raise needed.missing("the agent: section (its rollout endpoint)")
+    agent = build_component("agent", section, path="agent")
+    if not callable(getattr(agent, "rollout", None)):
+        raise ComponentBuildError(
+            f"agent: agent {section.name!r} built a {type(agent).__name__}, which has no rollout(client, task) method"
+        )
+    parser = build_component("tool_parser", section.tool_parser, path="agent.tool_parser")
+    server = AgentServer()
+    return [
+        AgentEnvironment(
+            env,
+            agent,
+            server,
+            parser,
+            max_turns=section.max_turns,
+            request_timeout_s=section.request_timeout_s,
+            max_concurrency=section.max_concurrency,
+            name=config.environment.name,
+            agent_name=section.name,
         )
         for env in envs
     ]

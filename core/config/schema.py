@@ -99,6 +99,30 @@ class ToolParserSpec(ComponentSpec):
     KIND: ClassVar[str] = "tool_parser"
 
 
+@dataclass
+class AgentSpec(ComponentSpec):
+    """The ``agent:`` section (docs/environments.md): agent code that plays the environment's tasks through the rollout
+    endpoint, an OpenAI-compatible API the policy under training serves on 127.0.0.1. Its requests are the episode's
+    turns, sampled by the rollout like any other."""
+
+    KIND: ClassVar[str] = "agent"
+
+    max_turns: int = option(4, ge=1)  # requests per episode; one more is refused and the episode ends truncated
+    max_concurrency: int | None = option(None, ge=1)  # agents running their own code at once; None: every row
+    request_timeout_s: float = option(60.0, gt=0)  # an agent silent this long (no request, no answer) ends its episode
+    max_tokens: int | None = option(None, ge=1)  # the episode's whole token sequence, as tools.max_tokens; None: no cap
+    tool_parser: ToolParserSpec = field(default_factory=lambda: ToolParserSpec("hermes"))  # tool_calls in responses
+    host: str = "127.0.0.1"  # the endpoint binds to the loopback address only
+
+    def __post_init__(self) -> None:
+        if self.host not in ("127.0.0.1", "localhost"):
+            raise OptionError(
+                "host",
+                "the rollout endpoint binds to 127.0.0.1 only (it serves the policy to local agents); "
+                f"got {self.host!r}",
+            )
+
+
 SPEC_TYPES: dict[str, type[ComponentSpec]] = {
     cls.KIND: cls
     for cls in (
@@ -110,6 +134,7 @@ SPEC_TYPES: dict[str, type[ComponentSpec]] = {
         GeneratorSpec,
         ToolSpec,
         ToolParserSpec,
+        AgentSpec,
     )
 }
 assert set(SPEC_TYPES) == set(KINDS), "every component kind needs a spec type"
@@ -316,6 +341,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     agents: AgentsConfig | None = None  # None: one policy for every agent (the single-agent case)
     tools: ToolsConfig | None = None  # None: no tool-use loop around the environment
+    agent: AgentSpec | None = None  # None: no agent code around the environment (no rollout endpoint)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (dicts, lists, scalars) with every default filled in; what ``palestra config show`` prints."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from palestra.engine.watchdog import StepWatchdog
     from palestra.scale.distributed import DistributedContext
 
-__all__ = ["Round", "Sampled", "Sampler", "derive_seed", "mean64"]
+__all__ = ["Round", "Sampled", "Sampler", "derive_seed", "episode_token_budget", "mean64"]
 
 
 def derive_seed(seed: int, stream: str, index: int = 0) -> int:
@@ -57,6 +57,13 @@ class Round:
     agent_metrics: dict[str, float]
     generate_s: float
     reward_s: float
+
+
+def episode_token_budget(config: Config) -> int | None:
+    """The cap on a multi-turn episode's whole token sequence: ``tools.max_tokens`` or ``agent.max_tokens``."""
+    if config.tools is not None:
+        return config.tools.max_tokens
+    return config.agent.max_tokens if config.agent is not None else None
 
 
 @dataclass
@@ -97,7 +104,7 @@ class Sampler:
         self.dist, self.watchdog, self.autocast = dist, watchdog, autocast
         self.refill_rounds, self.groups_short = refill_rounds, groups_short
         self.trajectory = trajectory  # "sequence": one row per multi-turn episode (palestra.engine.trajectory)
-        self.max_tokens = config.tools.max_tokens if config.tools is not None else None  # a sequence's token budget
+        self.max_tokens = episode_token_budget(config)  # a sequence's token budget
         self.local_batch_size = dist.local_batch_size(t.batch_size)
         self.params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
 
@@ -198,4 +205,8 @@ class Sampler:
             from palestra.tools.metrics import tool_metrics
 
             metrics.update(tool_metrics([ep for r in rounds for ep in r.rollout.episodes]))
+        if self.config.agent is not None:  # likewise: only a run with an agent: section logs the agent metrics
+            from palestra.agents.metrics import agent_metrics
+
+            metrics.update(agent_metrics([ep for r in rounds for ep in r.rollout.episodes]))
         return metrics

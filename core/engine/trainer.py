@@ -41,7 +41,7 @@ from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.learner import Learner
 from palestra.engine.rollout import collect
-from palestra.engine.sampling import Sampled, Sampler, derive_seed, mean64
+from palestra.engine.sampling import Sampled, Sampler, derive_seed, episode_token_budget, mean64
 from palestra.engine.trajectory import choose_trajectory
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
 from palestra.plugin_manager import get_plugin_manager
@@ -265,7 +265,7 @@ class Trainer:
                 n,
                 seed=derive_seed(self.config.run.seed, "held-out"),
                 trajectory=self.trajectory,  # type: ignore[arg-type]
-                max_tokens=self.config.tools.max_tokens if self.config.tools is not None else None,
+                max_tokens=episode_token_budget(self.config),
             )
             scored = self.reward.evaluate(*ro.reward_rows())
         comps = {k: mean64(v) for k, v in scored.components.items()}
@@ -305,6 +305,9 @@ class Trainer:
             self.watchdog.stop()
             for logger in self.loggers:
                 logger.close()
+            if self.config.agent is not None:  # the rollout endpoint: its thread, socket and agents end with the run
+                for env in (self.env, self.eval_env):
+                    env.close()
         return TrainResult(
             self.before, after, metrics, self.run_dir, self.step_index, time.perf_counter() - started, history
         )

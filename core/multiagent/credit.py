@@ -39,7 +39,15 @@ def _row(episode: Episode, turn: int) -> tuple[str, str, dict[str, Any]]:
     ``tool_calls`` (every call up to this
     turn: ``name``, ``arguments``, ``error``, ``latency_s`` and the result ``content``) in a tool-use episode."""
     t = episode.turns[turn]
-    meta = {**episode.metadata, "agent_id": t.agent_id, "turn": t.observation.turn, "info": t.info}
+    # an agent episode (the agent: section) is scored on the agent's answer, with the metadata the agent returned
+    agent_meta = t.info.get("agent_metadata")
+    meta = {
+        **episode.metadata,
+        **(agent_meta if isinstance(agent_meta, dict) else {}),
+        "agent_id": t.agent_id,
+        "turn": t.observation.turn,
+        "info": t.info,
+    }
     uses_tools = any("tool_calls" in u.info for u in episode.turns)  # a tool-use episode (docs/tools.md)
     # the whole conversation, for a reward over the trajectory; a single-turn row's metadata stays as it was
     if t.observation.messages and (uses_tools or len(episode.turns) > 1):
@@ -48,7 +56,8 @@ def _row(episode: Episode, turn: int) -> tuple[str, str, dict[str, Any]]:
         ]
     if uses_tools:  # every call so far, even none
         meta["tool_calls"] = [dict(c) for u in episode.turns[: turn + 1] for c in u.info.get("tool_calls", ())]
-    return t.observation.prompt, t.completion, meta
+    answer = t.info.get("agent_answer")
+    return t.observation.prompt, answer if isinstance(answer, str) else t.completion, meta
 
 
 def _last_turn(episode: Episode, agent_id: AgentId | None) -> int | None:

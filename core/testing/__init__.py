@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from palestra.testing.agent import RULES as AGENT_RULES
+from palestra.testing.agent import check_agent
 from palestra.testing.environment import RULES as ENVIRONMENT_RULES
 from palestra.testing.environment import check_environment
 from palestra.testing.errors import ContractError
@@ -38,6 +40,7 @@ __all__ = [
     "RULES",
     "ContractError",
     "check",
+    "check_agent",
     "check_environment",
     "check_logger",
     "check_optimizer",
@@ -57,6 +60,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "logger": check_logger,
     "tool": check_tool,
     "tool_parser": check_tool_parser,
+    "agent": check_agent,
 }
 
 # kind -> rule name -> what the rule asks
@@ -68,6 +72,7 @@ RULES: dict[str, dict[str, str]] = {
     "logger": LOGGER_RULES,
     "tool": TOOL_RULES,
     "tool_parser": TOOL_PARSER_RULES,
+    "agent": AGENT_RULES,
 }
 
 

