@@ -73,6 +73,7 @@ class VerifiersOptions:
     num_examples: int | None = option(None, ge=1)  # keep the taskset's first N tasks (required if it is infinite)
     eval_examples: int = option(0, ge=0)  # hold out the last N of them
     split: Literal["train", "eval"] = "train"  # which tasks reset() draws
+    stop: list[str] = field(default_factory=list)  # stop strings for every completion, e.g. ["</answer>"]
     agent_id: str = "assistant"
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class VerifiersOptions:
             raise OptionError("env_id", "required: the id of an installed verifiers environment, e.g. vf-reverse-word")
         if "id" in self.env_args:
             raise OptionError("env_args", "must not set 'id' (env_id names the environment)")
+        if any(not s for s in self.stop):
+            raise OptionError("stop", "stop strings must not be empty")
         if "taskset" in self.env_config:
             raise OptionError("env_config", "must not set 'taskset' (env_id and env_args describe it)")
 
@@ -265,6 +268,7 @@ class VerifiersEnv:
             agent_id=self.options.agent_id,
             messages=messages,
             metadata=metadata,
+            stop=list(self.options.stop) or None,
         )
 
     def reset(self, batch_size: int, *, seed: int | None = None, group_size: int = 1) -> list[Observation]:
@@ -326,13 +330,17 @@ class Scored:
         )
 
 
+def failed(task: Any, why: str) -> Scored:
+    """Every reward of ``task`` at 0 (their weights kept): a row whose scoring or whose agent failed."""
+    return Scored({fn.__name__: (0.0, float(getattr(fn, "_vf_weight", 1.0))) for fn in task.hooks("reward")}, {}, why)
+
+
 async def score_trace(task: Any, trace: Any) -> Scored:
     """``task.score(trace)`` (verifiers' own scoring, no runtime) as plain numbers; a failing function scores 0."""
     try:
         await task.score(trace)
     except Exception as e:  # noqa: BLE001 - a package's reward function failing is a zero for that row, not a crash
-        zeros = {fn.__name__: (0.0, float(getattr(fn, "_vf_weight", 1.0))) for fn in task.hooks("reward")}
-        return Scored(zeros, {}, _one_line(e))
+        return failed(task, _one_line(e))
     rewards = {name: (float(r.score), float(r.weight)) for name, r in trace.rewards.items() if r is not None}
     metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None}
     return Scored(rewards, metrics)
@@ -363,7 +371,8 @@ class VerifiersReward:
         self._warned: set[str] = set()
 
     def task_of(self, meta: Mapping[str, Any]) -> Any:
-        """The verifiers task a row played, or None when an agent already scored its rollout."""
+        """The verifiers task a row played; None when an agent already scored its rollout; a zero :class:`Scored`
+        when its agent failed."""
         where = meta.get(META_KEY)
         if not isinstance(where, Mapping) or "env" not in where:
             raise KeyError(
@@ -373,6 +382,11 @@ class VerifiersReward:
         if isinstance(meta.get(RESULT_KEY), Mapping):
             return None
         env = loaded_env(str(where["env"]))
+        info = meta.get("info")
+        if isinstance(info, Mapping) and "agent_answer" in info:  # an agent episode that returned no result
+            return failed(
+                env.tasks[int(where["index"])], str(info.get("agent_error") or "the agent returned no result")
+            )
         if env.needs_agent:
             raise ConfigError(
                 f"reward verifiers: verifiers environment {env.env_id!r} runs tool or multi-turn episodes; "
@@ -382,9 +396,12 @@ class VerifiersReward:
 
     def rows(self, completions: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[Scored]:
         tasks = [self.task_of(m) for m in metadata]
-        todo = [i for i, t in enumerate(tasks) if t is not None]
+        todo = [i for i, t in enumerate(tasks) if t is not None and not isinstance(t, Scored)]
         scored = asyncio.run(score_replies([tasks[i] for i in todo], [completions[i] for i in todo])) if todo else []
-        out = [Scored.from_metadata(m[RESULT_KEY]) if t is None else None for t, m in zip(tasks, metadata)]
+        out = [
+            Scored.from_metadata(m[RESULT_KEY]) if t is None else t if isinstance(t, Scored) else None
+            for t, m in zip(tasks, metadata)
+        ]
         for i, s in zip(todo, scored):
             out[i] = s
         return [s for s in out if s is not None]
@@ -409,7 +426,7 @@ class VerifiersReward:
         for e in errors:
             if e not in self._warned:
                 self._warned.add(e)
-                log.warning("verifiers reward: a reward function failed (its row scores 0): %s", e)
+                log.warning("verifiers reward: a row scores 0: %s", e)
         metrics["score_errors"] = float(len(errors))
         scores = torch.tensor([r.total for r in rows], dtype=torch.float32)
         return RewardOutput(scores=scores, components=components, metrics=metrics)
@@ -439,7 +456,7 @@ class VerifiersAgent:
         import_verifiers()
 
     async def rollout(self, client: Any, task: Any) -> Any:
-        from palestra.agents.api import AgentResult  # type: ignore[import-not-found,unused-ignore]
+        from palestra.agents.api import AgentResult
         from palestra.plugins.envs._verifiers_rollout import Limits, run_episode
 
         where = task.metadata.get(META_KEY)
@@ -472,4 +489,14 @@ def register_rewards(register: Any) -> None:
         Requires(VerifiersReward, module=MODULE, install=INSTALL_HINT),
         options=VerifiersRewardOptions,
         description="the verifiers task's own weighted reward functions (each a component with its weight)",
+    )
+
+
+@hookimpl
+def register_agents(register: Any) -> None:
+    register(
+        "verifiers",
+        Requires(VerifiersAgent, module=MODULE, install=INSTALL_HINT),
+        options=VerifiersAgentOptions,
+        description="runs the verifiers environment's own episodes (tools, multi-turn) against the rollout endpoint",
     )

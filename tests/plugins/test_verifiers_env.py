@@ -28,7 +28,7 @@ from palestra.plugins.envs.verifiers_env import (
     loaded_env,
     prompt_messages,
 )
-from palestra.testing import check_environment, check_reward
+from palestra.testing import ContractError, check_environment, check_reward
 
 PACKAGES = Path(__file__).parent / "vf_envs"
 REVERSE = {"env_id": "vf-reverse-word", "env_args": {"num_tasks": 12, "seed": 3}}
@@ -251,3 +251,149 @@ def test_a_training_run_naming_a_missing_environment_is_one_line_and_writes_noth
         "'vf_not_there'); install its package (pip install vf-not-there, or prime env install <owner>/vf-not-there)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+# ---- tool and multi-turn environments: verifiers rollouts against the rollout endpoint ---------------------------
+@pytest.fixture
+def bridge() -> Iterator[Callable[..., Any]]:
+    """``bridge(**env_options)``: the verifiers environment played by the verifiers agent through the real endpoint
+    (HTTP on 127.0.0.1, the openai client), closed at the end of the test."""
+    from palestra.agents.bridge import AgentEnvironment
+    from palestra.agents.server import AgentServer
+    from palestra.plugins.envs.verifiers_env import VerifiersAgent
+    from palestra.plugins.tools.parsers import HermesParser
+
+    made: list[Any] = []
+
+    def make(**options: Any) -> Any:
+        agent = VerifiersAgent(max_turns=3)
+        env = AgentEnvironment(VerifiersEnv(**options), agent, AgentServer(), HermesParser(), max_turns=4,
+                               request_timeout_s=30)  # fmt: skip
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.close()
+
+
+def scored(env: Any, respond: Callable[[Any], str], batch: int) -> tuple[list[Any], Any]:
+    """Episodes of ``env`` with ``respond`` as the policy, and the verifiers reward of their rows."""
+    from palestra.engine.rollout import run_episodes
+    from palestra.multiagent.credit import reward_rows
+
+    episodes = run_episodes(env, lambda obs: [respond(o) for o in obs], batch, seed=0)
+    prompts, completions, metadata = reward_rows(episodes)
+    return episodes, VerifiersReward()(prompts, completions, metadata)
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def test_a_tool_environment_runs_its_toolset_through_the_endpoints_tool_calls(vf_site: Path, bridge: Any) -> None:
+    """The model's hermes tool calls reach the package's own @vf.tool methods; their results come back as tool
+    messages; verifiers scores the whole conversation (the right number after two tool calls: 1.0 + 0.1)."""
+
+    def respond(obs: Any) -> str:
+        numbers = [int(n) for n in re_numbers(obs.metadata["task"]["prompt"])]  # pens per box, boxes, loose pens
+        last = obs.messages[-1]
+        if last.role == "user":
+            return call("calc_multiply", a=numbers[1], b=numbers[0])
+        if "calc_add" not in "".join(m.content for m in obs.messages):
+            return call("calc_add", a=int(last.content), b=numbers[2])
+        return f"There are {last.content} pens."
+
+    episodes, out = scored(bridge(env_id="vf-calc-tool"), respond, 2)
+    assert out.scores.tolist() == pytest.approx([1.1, 1.1])
+    assert out.components["correct"].tolist() == [1.0, 1.0] and out.components["used_tool"].tolist() == [1.0, 1.0]
+    for ep in episodes:
+        assert len(ep.turns) == 3
+        tool_messages = [m for m in ep.turns[-1].observation.messages or [] if m.role == "tool"]
+        assert len(tool_messages) == 2 and ep.turns[-1].observation.tools is not None
+        assert {t["function"]["name"] for t in ep.turns[0].observation.tools or []} == {"calc_add", "calc_multiply"}
+
+
+def test_a_bad_tool_call_is_an_error_message_to_the_model_and_a_wrong_answer(vf_site: Path, bridge: Any) -> None:
+    seen: list[str] = []
+
+    def respond(obs: Any) -> str:
+        if obs.messages[-1].role == "tool":
+            seen.append(obs.messages[-1].content)
+            return "I do not know."
+        return call("calc_divide", a=1, b=2)
+
+    _, out = scored(bridge(env_id="vf-calc-tool"), respond, 1)
+    assert seen == ["Error: unknown tool 'calc_divide'; the tools are calc_add, calc_multiply"]
+    assert out.scores.tolist() == pytest.approx([0.1])  # a tool message came back: used_tool, but no right number
+
+
+def test_a_multi_turn_environment_plays_its_user_turns_between_the_models(vf_site: Path, bridge: Any) -> None:
+    """The package's Env.run answers each guess with a user turn ("No, higher. ..."); the model's second guess is
+    right: solved 1.0, quick 1/2 (one wrong guess first); a target of 1 is right at once (quick 1.0)."""
+
+    def respond(obs: Any) -> str:
+        target = obs.metadata["task"]["target"]
+        return "1" if obs.turn == 0 else f"Then {target}."
+
+    episodes, out = scored(bridge(env_id="vf-guess-number", env_args={"high": 9}), respond, 3)
+    for ep, total in zip(episodes, out.scores.tolist()):
+        target = ep.metadata["task"]["target"]
+        if target == 1:
+            assert len(ep.turns) == 1 and total == pytest.approx(1.5)
+        else:
+            assert len(ep.turns) == 2 and total == pytest.approx(1.25)
+            assert ep.turns[1].observation.messages is not None
+            assert ep.turns[1].observation.messages[-1].content == "No, higher. Guess again: one number."
+
+
+def test_a_single_turn_environment_through_the_agent_scores_as_without_it(vf_site: Path, bridge: Any) -> None:
+    _, out = scored(bridge(**REVERSE), lambda obs: f"<answer>{obs.metadata['answer']}</answer>", 2)
+    assert out.scores.tolist() == pytest.approx([1.2, 1.2])
+
+
+def re_numbers(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"\d+", text)
+
+
+AGENT_RUNS = [
+    pytest.param({"env_id": "vf-reverse-word", "env_args": {"num_tasks": 8}}, ["exact", "tags"], id="single-turn"),
+    pytest.param({"env_id": "vf-calc-tool", "env_args": {"num_tasks": 8}}, ["correct", "used_tool"], id="tool"),
+    pytest.param({"env_id": "vf-guess-number", "env_args": {"num_tasks": 8}}, ["solved", "quick"], id="multi-turn"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("options", "components"), AGENT_RUNS)
+def test_a_training_run_plays_each_kind_of_verifiers_environment_through_the_agent(
+    tmp_path: Path, vf_site: Path, raw_config: Callable[..., dict[str, Any]], options: dict[str, Any],
+    components: list[str],
+) -> None:  # fmt: skip
+    sections = {"environment": {"name": "verifiers", "options": options}, "reward": {"name": "verifiers"}}
+    raw = raw_config(sections=sections, steps=2, save_every=2, batch_size=2, group_size=2)
+    raw["policy"]["options"]["max_len"] = 1024  # the tool env's prompt carries its two tools' descriptions
+    raw["agent"] = {"name": "verifiers", "options": {"max_turns": 3}, "max_turns": 3}
+    result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, site=vf_site)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "r" / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "agents/requests_per_episode" in r]
+    assert len(steps) == 2, records[:2]
+    for r in steps:
+        assert r["agents/error_rate"] == 0.0 and r["agents/requests_per_episode"] >= 1.0
+        assert all(f"reward/{name}" in r for name in components), sorted(r)
+        assert r["curriculum/score_errors"] == 0.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ContractError,
+    reason="the agent bridge's step info holds agent_latency_s (wall time), so the kit's rule 'same actions, same "
+    "steps' fails on every agent environment; the bridge or the kit must leave timings out of that comparison",
+)
+@pytest.mark.parametrize("env_id", ["vf-calc-tool", "vf-guess-number"])
+def test_the_contract_kit_passes_on_tool_and_multi_turn_environments_behind_the_agent(
+    vf_site: Path, bridge: Any, env_id: str
+) -> None:
+    check_environment(lambda: bridge(env_id=env_id, env_args={"num_tasks": 6}), {}, reward=VerifiersReward)

@@ -2,7 +2,7 @@
 
 Every sum of two operands in ``0..max_operand`` is one task (25 with the default 4), in a fixed shuffled order
 (``seed``). Two weighted rewards, verifiers' way: ``correct`` (weight 1.0) for the right number in the tags, and
-``formatted`` (weight 0.2) for a reply that is exactly one tag holding a number.
+``formatted`` (weight 1.0) for a reply that is exactly one tag holding a number.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
         found = TAGGED.findall(trace.last_reply)
         return float(bool(found) and found[-1] == task.answer)
 
-    @vf.reward(weight=0.2)
+    @vf.reward(weight=1.0)
     async def formatted(self, trace: vf.Trace) -> float:
         return float(TAGGED.fullmatch(trace.last_reply) is not None)
 
