@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ from palestra.plugins.envs.verifiers_env import (
     prompt_messages,
     score_trace,
 )
+
+REFUSALS = ("max_turns", "episode_ended")  # the endpoint's error codes for a request past the episode's limits
 
 
 @dataclass
@@ -93,10 +95,11 @@ class ChatRun:
         self.task = task
         self.turns: list[tuple[Any, bool]] = [(m, False) for m in prompt_messages(task)]
         self.calls = 0
+        self.refused = False  # the endpoint refused a request: the episode's limits (agent.max_turns, its budget)
 
     @property
     def exhausted(self) -> bool:
-        return self.calls >= self.limits.max_turns
+        return self.calls >= self.limits.max_turns or self.refused
 
     async def segment(self) -> list[Any]:
         """Call the model until it answers without a tool call (or the turn limit); the messages it added."""
@@ -104,6 +107,8 @@ class ChatRun:
         start = len(self.turns)
         while not self.exhausted:
             reply = await self._ask()
+            if reply is None:
+                break
             self.turns.append((reply, True))
             if not reply.tool_calls:
                 break
@@ -112,7 +117,7 @@ class ChatRun:
                 self.turns.append((vf.ToolMessage(tool_call_id=call.id, content=text, name=call.name), False))
         return [m for m, _ in self.turns[start:]]
 
-    async def _ask(self) -> Any:
+    async def _ask(self) -> Any | None:
         from verifiers.v1.dialects.chat import message_to_wire
 
         vf = import_verifiers()
@@ -124,9 +129,17 @@ class ChatRun:
         if self.limits.temperature is not None:
             extra["temperature"] = self.limits.temperature
         self.calls += 1
-        response = await self.client.chat.completions.create(
-            model=self.model, messages=[message_to_wire(m) for m, _ in self.turns], **extra
-        )
+        try:
+            response = await self.client.chat.completions.create(
+                model=self.model, messages=[message_to_wire(m) for m, _ in self.turns], **extra
+            )
+        except Exception as e:
+            # the endpoint's limits end the conversation where it is (scored as verifiers scores a max_turns stop);
+            # any other failure is the episode's
+            if getattr(e, "code", None) not in REFUSALS:
+                raise
+            self.refused = True
+            return None
         message = response.choices[0].message
         calls = [
             vf.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments or "{}")
@@ -258,7 +271,3 @@ def _scored_run(episode: Episode, task: Any) -> ChatRun:
     if not runs:
         raise RuntimeError(f"verifiers environment {episode.env.env_id!r}: run() ran no trainable agent")
     return runs[-1]
-
-
-def result_metadata(outcome: Outcome) -> Mapping[str, Any]:
-    return outcome.metadata()

@@ -265,9 +265,9 @@ def bridge() -> Iterator[Callable[..., Any]]:
 
     made: list[Any] = []
 
-    def make(**options: Any) -> Any:
-        agent = VerifiersAgent(max_turns=3)
-        env = AgentEnvironment(VerifiersEnv(**options), agent, AgentServer(), HermesParser(), max_turns=4,
+    def make(*, agent_turns: int = 3, requests: int = 4, **options: Any) -> Any:
+        agent = VerifiersAgent(max_turns=agent_turns)
+        env = AgentEnvironment(VerifiersEnv(**options), agent, AgentServer(), HermesParser(), max_turns=requests,
                                request_timeout_s=30)  # fmt: skip
         made.append(env)
         return env
@@ -326,6 +326,18 @@ def test_a_bad_tool_call_is_an_error_message_to_the_model_and_a_wrong_answer(vf_
     _, out = scored(bridge(env_id="vf-calc-tool"), respond, 1)
     assert seen == ["Error: unknown tool 'calc_divide'; the tools are calc_add, calc_multiply"]
     assert out.scores.tolist() == pytest.approx([0.1])  # a tool message came back: used_tool, but no right number
+
+
+def test_a_request_past_the_endpoints_limit_ends_the_conversation_where_it_is(vf_site: Path, bridge: Any) -> None:
+    """agent.max_turns=2 requests: the third is refused (HTTP 400, code max_turns); the agent stops there and
+    verifiers scores the conversation so far (a tool was used, no answer: 0.1), not an error."""
+    episodes, out = scored(
+        bridge(env_id="vf-calc-tool", agent_turns=8, requests=2), lambda o: call("calc_add", a=1, b=2), 2
+    )
+    assert out.scores.tolist() == pytest.approx([0.1, 0.1])
+    for ep in episodes:
+        assert len(ep.turns) == 2
+        assert ep.last.info["agent_truncated"] is True and ep.last.info["agent_error"] is None
 
 
 def test_a_multi_turn_environment_plays_its_user_turns_between_the_models(vf_site: Path, bridge: Any) -> None:
