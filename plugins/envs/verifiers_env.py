@@ -20,9 +20,12 @@ carries ``answer`` (when the task data has one, so ``correctness`` also works), 
 ``verifiers`` (where the task came from, which the reward and the ``verifiers`` agent read).
 
 **Single-turn tasks** (the taskset's own ``SingleAgentEnv`` and no tools) need nothing more: the completion is the
-model's one reply. **Tool and multi-turn environments** run as verifiers rollouts against Palestra's rollout
-endpoint, through the ``verifiers`` agent (``agent: {name: verifiers}``); the reward refuses to score such a task's
-rows without it rather than scoring a partial conversation.
+model's one reply (``stop`` adds stop strings). **Tool and multi-turn environments** run as verifiers rollouts
+against Palestra's rollout endpoint, through the ``verifiers`` agent (``agent: {name: verifiers}``, see
+:mod:`palestra.plugins.envs._verifiers_rollout`): the package's toolsets answer the model's tool calls (parsed by the
+``agent.tool_parser``), its ``Env.run`` plays its user turns, and the agent hands verifiers' scores of the whole
+conversation to the reward. The reward refuses to score such a task's rows without the agent (one line) rather
+than score a partial conversation; an agent that failed scores 0 on every reward function.
 
 **The reward** ``verifiers`` runs the task's own scoring (``Task.score``: every ``@vf.reward`` function and plugged
 reward, each with its weight) on the finished conversation: the score is verifiers' weighted sum, each reward
