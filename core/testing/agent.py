@@ -88,7 +88,7 @@ def _play(
 class _SampleTask:
     """A single-turn environment of one task: its messages, with the answer 42 in the metadata."""
 
-    agent_ids = ("assistant",)
+    agent_ids: tuple[str, ...] = ("assistant",)
     max_turns = 1
 
     def __init__(self, messages: list[Mapping[str, Any]]) -> None:

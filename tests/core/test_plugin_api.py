@@ -23,7 +23,7 @@ pip_install = pytest.mark.pip_install
 def test_the_plugin_api_is_a_version() -> None:
     from packaging.version import Version
 
-    assert palestra.PLUGIN_API == hookspecs.PLUGIN_API and Version(palestra.PLUGIN_API) == Version("2.1")
+    assert palestra.PLUGIN_API == hookspecs.PLUGIN_API and Version(palestra.PLUGIN_API) == Version("2.2")
 
 
 @pip_install
@@ -41,7 +41,7 @@ def test_a_plugin_built_for_another_api_is_disabled_with_one_warning(in_process,
     lines = [str(w.message) for w in caught if issubclass(w.category, PalestraPluginWarning)]
     assert lines == [
         f"plugin distribution 'palestra-future-plugin' failed and is disabled: plugin 'future' supports plugin "
-        f"API {declared}, but this palestra provides plugin API 2.1; install a version of the plugin built for 2.1"
+        f"API {declared}, but this palestra provides plugin API 2.2; install a version of the plugin built for 2.2"
     ]
     future = next(i for i in infos if i.name == "future")
     assert future.error is not None and future.api == declared
@@ -54,11 +54,11 @@ def test_a_plugin_built_for_another_api_is_disabled_with_one_warning(in_process,
 def test_palestra_plugins_shows_the_api_and_each_declared_range(sites, tmp_path) -> None:
     out = plugin_installs.run_palestra(["plugins"], [sites["example"], sites["future"]], tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == "palestra 0.1.0, plugin API 2.1"
+    assert out.stdout.splitlines()[0] == "palestra 0.1.0, plugin API 2.2"
     assert "0.1.0 (API >=2.0,<3)" in out.stdout and "3.0.0 (API >=3.0,<4)" in out.stdout
-    assert out.stderr.count("palestra: warning:") == 1 and "plugin API 2.1" in out.stderr
+    assert out.stderr.count("palestra: warning:") == 1 and "plugin API 2.2" in out.stderr
     rows = json.loads(plugin_installs.run_palestra(["plugins", "--json"], [sites["example"]], tmp_path).stdout)
-    assert [(r["name"], r["api"], r["plugin_api"]) for r in rows] == [("example", ">=2.0,<3", "2.1")]
+    assert [(r["name"], r["api"], r["plugin_api"]) for r in rows] == [("example", ">=2.0,<3", "2.2")]
 
 
 @pip_install

@@ -67,7 +67,7 @@ def test_builtins_load_first_in_module_order_and_are_attributed_to_palestra(in_p
     infos, warned = load_recording_warnings()
     builtins = [i for i in infos if i.builtin]
     assert [i.module for i in builtins] == BUILTIN_MODULES
-    assert [i.name for i in builtins][:3] == ["arithmetic", "customer_service", "dataset"]
+    assert [i.name for i in builtins][:3] == ["agents", "arithmetic", "customer_service"]
     assert infos[: len(builtins)] == builtins
     assert {(i.distribution, i.version, i.error) for i in builtins} == {
         ("palestra", metadata.version("palestra"), None)

@@ -77,6 +77,18 @@ def test_a_broken_call_is_an_error_the_model_reads(episodes: Callable[..., list[
     assert tool_format([""] * 2, ["x"] * 2, metadata).scores.tolist() == [0.5, 0.5]
 
 
+def test_a_call_the_endpoint_could_not_read_is_answered_as_the_built_in_loop_does(
+    episodes: Callable[..., list[Episode]],
+) -> None:
+    broken = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}</tool_call>'
+    played = episodes(lambda obs: broken if obs.turn == 0 else "<answer>2</answer>")
+    last = played[0].last.observation.messages or []
+    assert [(m.role, m.content) for m in last[-2:-1]] == [("assistant", broken)]  # the exact text, echoed
+    assert last[-1].role == "tool" and last[-1].content.startswith("error: the call is not valid JSON")
+    metadata = reward_rows(played)[2]
+    assert metadata[0]["tool_calls"][0]["error"] == "malformed" and played[0].last.info["answered"]
+
+
 def test_the_agent_stops_at_max_turns_unanswered(episodes: Callable[..., list[Episode]]) -> None:
     played = episodes(lambda obs: call("1 + 1"), max_turns=2)
     for ep in played:
