@@ -409,3 +409,20 @@ def test_the_contract_kit_passes_on_tool_and_multi_turn_environments_behind_the_
     vf_site: Path, bridge: Any, env_id: str
 ) -> None:
     check_environment(lambda: bridge(env_id=env_id, env_args={"num_tasks": 6}), {}, reward=VerifiersReward)
+
+
+@pytest.mark.slow
+def test_the_example_trains_with_its_package_installed(tmp_path: Path) -> None:
+    """examples/verifiers_sums.yaml for 2 steps, its environment package pip-installed as its header says."""
+    site, work = tmp_path / "site", tmp_path / "build"
+    work.mkdir()
+    install(PACKAGES.parents[2] / "examples" / "verifiers" / "vf-small-sums", site, work)
+    example = PACKAGES.parents[2] / "examples" / "verifiers_sums.yaml"
+    args = ["--config", str(example), "train.steps=2", "train.eval_size=4", f"run.output_dir={tmp_path / 'runs'}"]
+    result = palestra(args, tmp_path, site=site)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out reward on 4 tasks" in result.stdout and "correct" in result.stdout
+    metrics = [
+        json.loads(line) for line in (tmp_path / "runs" / "verifiers_sums" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics if "reward/correct" in m] == [1, 2]
