@@ -426,3 +426,20 @@ def test_the_example_trains_with_its_package_installed(tmp_path: Path) -> None:
         json.loads(line) for line in (tmp_path / "runs" / "verifiers_sums" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["step"] for m in metrics if "reward/correct" in m] == [1, 2]
+
+
+def test_a_tool_environment_trained_without_the_agent_is_one_line(
+    tmp_path: Path, vf_site: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    sections = {
+        "environment": {"name": "verifiers", "options": {"env_id": "vf-calc-tool"}},
+        "reward": {"name": "verifiers"},
+    }
+    raw = raw_config(sections=sections, steps=1, batch_size=2, group_size=2)
+    result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, site=vf_site)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert error_line(result).endswith(
+        "reward verifiers: verifiers environment 'vf-calc-tool' runs tool or multi-turn episodes; add "
+        "`agent: {name: verifiers}` to the config so they run as verifiers rollouts"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]  # the held-out scoring before training
