@@ -287,6 +287,17 @@ def scored(env: Any, respond: Callable[[Any], str], batch: int) -> tuple[list[An
     return episodes, VerifiersReward()(prompts, completions, metadata)
 
 
+def assert_one_sequence(episode: Any) -> None:
+    """Each turn's conversation is the last one's plus the exact sampled text (the agent echoed back the assistant
+    messages it was answered, content and tool_calls, so the endpoint put the sampled text back): the episode trains
+    as one token sequence, not per-turn rows."""
+    from palestra.types import Message
+
+    for before, after in zip(episode.turns, episode.turns[1:]):
+        seen = list(before.observation.messages or [])
+        assert (after.observation.messages or [])[: len(seen) + 1] == [*seen, Message("assistant", before.completion)]
+
+
 def call(name: str, **arguments: Any) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
@@ -312,6 +323,7 @@ def test_a_tool_environment_runs_its_toolset_through_the_endpoints_tool_calls(vf
         tool_messages = [m for m in ep.turns[-1].observation.messages or [] if m.role == "tool"]
         assert len(tool_messages) == 2 and ep.turns[-1].observation.tools is not None
         assert {t["function"]["name"] for t in ep.turns[0].observation.tools or []} == {"calc_add", "calc_multiply"}
+        assert_one_sequence(ep)
 
 
 def test_a_bad_tool_call_is_an_error_message_to_the_model_and_a_wrong_answer(vf_site: Path, bridge: Any) -> None:
@@ -357,6 +369,7 @@ def test_a_multi_turn_environment_plays_its_user_turns_between_the_models(vf_sit
             assert len(ep.turns) == 2 and total == pytest.approx(1.25)
             assert ep.turns[1].observation.messages is not None
             assert ep.turns[1].observation.messages[-1].content == "No, higher. Guess again: one number."
+            assert_one_sequence(ep)
 
 
 def test_a_single_turn_environment_through_the_agent_scores_as_without_it(vf_site: Path, bridge: Any) -> None:
@@ -389,6 +402,7 @@ def test_a_training_run_plays_each_kind_of_verifiers_environment_through_the_age
     raw["agent"] = {"name": "verifiers", "options": {"max_turns": 3}, "max_turns": 3}
     result = palestra(["--config", str(write_config(tmp_path, raw))], tmp_path, site=vf_site)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "trajectory: one token sequence per episode" in result.stdout and "per-turn rows" not in result.stderr
     records = [json.loads(line) for line in (tmp_path / "runs" / "r" / "log.jsonl").read_text().splitlines()]
     steps = [r for r in records if "agents/requests_per_episode" in r]
     assert len(steps) == 2, records[:2]
