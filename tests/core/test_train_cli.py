@@ -29,6 +29,7 @@ MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
 HF_EXAMPLES = ["hf_local", "smollm2_lora", "smollm2_calculator", "agent_calculator"]
+VERIFIERS_EXAMPLES = ["verifiers_sums"]  # trained in tests/plugins/test_verifiers_env.py (its package installed)
 ERROR = "palestra train: error: "
 # The lines `palestra train` prints on stderr before it builds anything (see palestra.cli.train.summary).
 SUMMARY_PREFIXES = (
@@ -162,6 +163,7 @@ def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> No
             *TEXTARENA_EXAMPLES,
             *DATA_EXAMPLES,
             *HF_EXAMPLES,
+            *VERIFIERS_EXAMPLES,
         ]
     )
 
@@ -200,6 +202,9 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
     elif path.stem in TEXTARENA_EXAMPLES:
         assert shown["environment"]["name"] == "textarena" and shown["reward"]["name"] == "game_outcome"
         assert shown["optimizer"]["name"] == "mappo" and shown["optimizer"]["options"]["ippo"] is True
+    elif path.stem in VERIFIERS_EXAMPLES:  # an installed verifiers environment package, scored by its own rewards
+        assert shown["environment"]["name"] == "verifiers" and shown["reward"]["name"] == "verifiers"
+        assert shown["environment"]["options"]["env_id"] == "vf-small-sums" and shown["policy"]["name"] == "tiny"
     elif path.stem in DATA_EXAMPLES:
         assert shown["environment"]["name"] == DATA_EXAMPLES[path.stem] and shown["policy"]["name"] == "tiny"
     elif path.stem in ("smollm2_lora", "smollm2_calculator", "agent_calculator"):
