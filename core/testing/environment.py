@@ -8,6 +8,7 @@ and hands each episode's metadata to the reward. Every rule below is something t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from palestra.testing.compare import first_difference
 from palestra.testing.components import Subject, subject
 from palestra.testing.errors import Contract
 from palestra.testing.samples import SEED, cycle_completions
-from palestra.types import Observation, Stateful
+from palestra.types import Observation, Stateful, StepResult
 
 __all__ = ["RULES", "check_environment"]
 
@@ -41,7 +42,8 @@ RULES: dict[str, str] = {
     "done rows stay done": "a finished row stays done, with observation None, in every later step",
     "info by agent": "info[i] maps agent ids from agent_ids to dicts",
     "turns count up": "a live row's next observation has turn = its previous turn + 1",
-    "same actions, same steps": "two instances reset with one seed and given the same actions return equal steps",
+    "same actions, same steps": "two instances reset with one seed and given the same actions return equal steps "
+    "(info keys ending in _s are wall-clock seconds and not compared)",
     "metadata is plain data": "episode metadata pickles (it travels between ranks and into checkpoints)",
     "metadata reaches the reward": "the reward given to the check scores the episodes' reward rows",
     "one-row batch": "after a bigger batch, reset(1) starts a new batch of one row that steps with one action",
@@ -151,8 +153,22 @@ def _play(envs: list[Any], c: Contract, batch_size: int, group_size: int, seed: 
         result = results[0]
         _check_step(env, c, current, result)
         for other in results[1:]:
-            _same(c, "step", "same actions, same steps", result, other, "a second instance's step")
+            _same(c, "step", "same actions, same steps", _untimed(result), _untimed(other), "a second instance's step")
         current = list(result.observations)
+
+
+def _untimed(result: Any) -> Any:
+    """``result`` without the wall-clock measurements in its info, which no two runs share (an agent's latency, a
+    tool call's): keys ending in ``_s`` (seconds, by convention) at any depth."""
+    return dataclasses.replace(result, info=_strip_times(result.info)) if isinstance(result, StepResult) else result
+
+
+def _strip_times(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _strip_times(v) for k, v in value.items() if not (isinstance(k, str) and k.endswith("_s"))}
+    if isinstance(value, (list, tuple)):
+        return [_strip_times(v) for v in value]
+    return value
 
 
 def _step(env: Any, c: Contract, actions: list[str | None], live: list[bool]) -> Any:
