@@ -208,9 +208,14 @@ class _Loop:
         return self.run(wrapped())
 
     def close(self) -> None:
+        if threading.current_thread() is self.thread:  # collected by the loop itself: stop it, nothing to join
+            self.loop.stop()
+            return
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()  # closed here, not by the loop's __del__ at some later collection
 
 
 # ---- a server the environment starts ----------------------------------------------------------------------------
@@ -258,7 +263,7 @@ class _Server:
         code = self.exit_code()
         if self._drainer is not None:
             self._drainer.join(1.0)  # the last lines it wrote before it exited
-        tail = f": {self.stderr[-1]}" if self.stderr else ""
+        tail = f" (stderr: {self.stderr[-1]})" if self.stderr else ""
         return f"exited with code {code}{tail}"
 
     def stop(self) -> None:
@@ -304,7 +309,7 @@ def _wait_healthy(url: str, server: _Server | None, *, timeout_s: float, tries: 
         attempt += 1
         if server is not None and server.exit_code() is not None:
             raise OpenEnvUnreachable(
-                f"the OpenEnv server {server.label} {server.why_dead()} before it answered at {url}/health"
+                f"the OpenEnv server {server.label} did not answer at {url}/health: it {server.why_dead()}"
             )
         try:
             _get_json(f"{url}/health", min(timeout_s, max(0.1, deadline - time.monotonic())))
@@ -319,7 +324,8 @@ def _wait_healthy(url: str, server: _Server | None, *, timeout_s: float, tries: 
             f"the OpenEnv server {server.label} did not answer at {url}/health within {deadline_s:g} s "
             f"(start_timeout_s; last: {_one_line(last)})"
         )
-    raise OpenEnvUnreachable(f"no OpenEnv server answers at {url}/health ({attempt} tries, last: {_one_line(last)})")
+    tries_text = "1 try" if attempt == 1 else f"{attempt} tries"
+    raise OpenEnvUnreachable(f"no OpenEnv server answers at {url}/health ({tries_text}, last: {_one_line(last)})")
 
 
 def _one_line(e: BaseException | None, limit: int = 200) -> str:
@@ -700,8 +706,9 @@ async def _drop_all(clients: list[Any]) -> None:
 def _shut_down(loop: _Loop, clients: list[Any], server: _Server | None) -> None:
     """Close the sessions, the loop and a server the environment started (the finalizer: it must not hold the
     environment, or it would never be collected)."""
-    with contextlib.suppress(Exception):  # a loop already gone at interpreter exit: nothing left to close
-        loop.run(_drop_all(clients), timeout=5)
+    if threading.current_thread() is not loop.thread:  # (the loop's own thread cannot wait on the loop)
+        with contextlib.suppress(Exception):  # a loop already gone at interpreter exit: nothing left to close
+            loop.run(_drop_all(clients), timeout=5)
     loop.close()
     if server is not None:
         server.stop()

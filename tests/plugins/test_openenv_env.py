@@ -301,7 +301,7 @@ def test_a_started_server_that_dies_mid_episode_is_restarted_and_nothing_is_lost
     bounds: dict[int, list[int]] = {}
     with pytest.warns(
         oe.OpenEnvWarning,
-        match=r"openenv: the OpenEnv server package 'faulty_guess:app' exited with code 1; "
+        match=r"openenv: the OpenEnv server package 'faulty_guess:app' exited with code 1( \(stderr: .*\))?; "
         r"started it again \(1 of max_restarts=3\)",
     ):
         infos = [r.info for r in play(e, e.reset(2, seed=11, group_size=2), lambda c: binary_search(c, bounds))]
@@ -322,7 +322,8 @@ def test_not_reachable_at_start_is_one_line_naming_the_url_or_the_command(tmp_pa
     failing = [sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(3)", "{port}"]
     with pytest.raises(ConfigError) as e:
         env(command=failing, **GAME)
-    assert "exited with code 3: bad flag before it answered at http://127.0.0.1:" in str(e.value)
+    assert "did not answer at http://127.0.0.1:" in str(e.value)
+    assert str(e.value).endswith("/health: it exited with code 3 (stderr: bad flag)")
     assert "\n" not in str(e.value)
 
 
@@ -418,7 +419,7 @@ def test_unreachable_at_start_fails_palestra_train_with_exit_2(tmp_path: Path) -
     assert result.returncode == 2
     line = error_line(result)
     assert line.startswith("palestra train: error: environment: building environment 'openenv'")
-    assert f"no OpenEnv server answers at http://127.0.0.1:{port}/health (1 tries" in line
+    assert f"no OpenEnv server answers at http://127.0.0.1:{port}/health (1 try, last: ConnectionRefusedError" in line
     assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
 
 
