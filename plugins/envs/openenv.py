@@ -419,7 +419,8 @@ class OpenEnvEnvironment:
 
     def _check_schema(self) -> set[str] | None:
         """The observation's field names from ``/schema`` (None: not published), with the options checked against
-        the schema: a wrong ``action_field`` or template field is one line at build time, not a skipped batch."""
+        the schema: a wrong ``action_field`` or template field is one line at build time, not a skipped batch (an
+        OpenEnvError, which the config layer prefixes with where the environment is built)."""
         try:
             schema = _get_json(f"{self.url}/schema", self.options.timeout_s)
             action = dict(schema["action"]["properties"])
@@ -430,7 +431,9 @@ class OpenEnvEnvironment:
         for key in (o.action_field, *o.action):
             if key not in action:
                 where = "action_field" if key == o.action_field else f"action.{key}"
-                raise OptionError(where, f"the server's action has no field {key!r}; its fields: {', '.join(action)}")
+                raise OpenEnvError(
+                    f"{where}: the server's action has no field {key!r}; its fields: {', '.join(action)}"
+                )
         self._check_template(fields)
         return fields
 
@@ -438,7 +441,7 @@ class OpenEnvEnvironment:
         for name in format_fields("prompt", self.options.prompt):
             if name.split(".")[0].split("[")[0] not in fields | set(BUILT_IN_FIELDS):
                 known = ", ".join(sorted(fields | set(BUILT_IN_FIELDS)))
-                raise OptionError("prompt", f"unknown field {{{name}}}; the server's observations have {known}")
+                raise OpenEnvError(f"prompt: unknown field {{{name}}}; the server's observations have {known}")
 
     def close(self) -> None:
         """End every session and stop a server the environment started (also done when it is garbage collected)."""

@@ -187,9 +187,15 @@ def test_options_are_one_line_errors_naming_the_key() -> None:
 
 
 def test_the_schema_checks_the_action_field_and_the_prompt(server: str) -> None:
-    with pytest.raises(ConfigError, match=r"action_field: the server's action has no field 'message'; its fields: "):
+    with pytest.raises(ConfigError) as e:
         env(url=server)
-    with pytest.raises(ConfigError, match=r"prompt: unknown field \{histroy\}; the server's observations have "):
+    assert str(e.value) == (
+        "environment: building environment 'openenv' (plugin 'openenv', distribution 'palestra') failed: OpenEnvError: "
+        "action_field: the server's action has no field 'message'; its fields: metadata, guess"
+    )
+    with pytest.raises(
+        ConfigError, match=r"OpenEnvError: prompt: unknown field \{histroy\}; the server's observations"
+    ):
         env(url=server, action_field="guess", prompt="{histroy}")
 
 
@@ -421,6 +427,18 @@ def test_unreachable_at_start_fails_palestra_train_with_exit_2(tmp_path: Path) -
     assert line.startswith("palestra train: error: environment: building environment 'openenv'")
     assert f"no OpenEnv server answers at http://127.0.0.1:{port}/health (1 try, last: ConnectionRefusedError" in line
     assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_data_timeout_names_the_stalled_server(tmp_path: Path) -> None:
+    with serve(GUESS_SLOW_S="30") as (url, _):
+        config = tiny_config(tmp_path, {"url": url, **GAME, "timeout_s": 60}, data_timeout_s=2)
+        result = palestra(["--config", str(config)], cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert error_line(result) == (
+        f"palestra train: error: OpenEnvEnvironment.step (OpenEnv server {url}) did not return within 2 s "
+        "(train.data_timeout_s=2)"
+    )
 
 
 @pytest.mark.slow
