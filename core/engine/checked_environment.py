@@ -70,12 +70,18 @@ class CheckedEnvironment:
         return out
 
     def _call(self, method: str, fn: Callable[[], T]) -> T:
-        # the timeout names the environment's class, as `train.data_timeout_s` has always reported it
+        # the timeout names the environment's class, as `train.data_timeout_s` has always reported it, and the
+        # server it talks to when it has one (an `endpoint` string: openenv's "OpenEnv server http://..."), which
+        # the watchdog's phase names too
         what = f"{type(self._env).__name__}.{method}"
+        endpoint = getattr(self._env, "endpoint", None)
+        phase = "data"
+        if isinstance(endpoint, str):
+            what, phase = f"{what} ({endpoint})", f"data: {endpoint}"
         try:
             if self._watchdog is None:
                 return call_with_timeout(fn, self._timeout_s, what)
-            with self._watchdog.phase("data"):
+            with self._watchdog.phase(phase):
                 return call_with_timeout(fn, self._timeout_s, what)
         except (DataTimeout, EnvironmentProtocolError):
             raise

@@ -209,4 +209,8 @@ class Sampler:
             from palestra.agents.metrics import agent_metrics
 
             metrics.update(agent_metrics([ep for r in rounds for ep in r.rollout.episodes]))
+        # an environment with metrics of its own (openenv's skipped episodes) reports them over the step's episodes
+        env_metrics = getattr(self.env, "rollout_metrics", None)
+        if callable(env_metrics):
+            metrics.update(env_metrics([ep for r in rounds for ep in r.rollout.episodes]))
         return metrics

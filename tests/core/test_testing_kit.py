@@ -36,6 +36,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[2]
 
+OPENENV_GAME = {
+    "package": "guess_number:app",
+    "app_dir": str(REPO / "examples" / "openenv_game"),
+    "action_field": "guess",
+    "prompt": "{history}?",
+    "max_turns": 4,
+}
+
 # ---- every built-in component passes ------------------------------------------------------------------------
 # What a built-in needs beyond its defaults: the dialogue rewards read customer_service's metadata, the
 # combinators need their terms, the tiny policy is made small.
@@ -57,6 +65,9 @@ SETTINGS: dict[tuple[str, str], dict[str, Any]] = {
     ("policy", "tiny"): {"options": {k: v for k, v in TINY_POLICY.items() if k != "seed"}},
     ("environment", "dataset"): {"options": {"path": str(REPO / "examples" / "data" / "sums.jsonl")}},
     ("reward", "reasoning_gym"): {"environment": "reasoning_gym", "environment_options": {"size": 50, "eval_size": 5}},
+    # the example's guess-the-number OpenEnv server, started by the environment; env_reward reads its rewards
+    ("environment", "openenv"): {"options": {**OPENENV_GAME}},
+    ("reward", "env_reward"): {"environment": "openenv", "environment_options": {**OPENENV_GAME}},
     ("tool", "calculator"): {"examples": [{"expression": "437 * 28"}, {"expression": "(312 + 845) / 4"}]},
     ("tool", "python"): {"examples": [{"code": "print(6 * 7)"}]},
     # the example's verifiers environment package, importable from its source folder (see the test below)
@@ -72,6 +83,8 @@ SLOW = {
     ("logger", "wandb"),
     ("policy", "hf"),
     ("tool", "mcp"),
+    ("environment", "openenv"),  # each instance starts a server
+    ("reward", "env_reward"),
 }  # wandb starts its offline run machinery; hf builds a model folder
 
 

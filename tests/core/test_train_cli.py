@@ -27,6 +27,7 @@ ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_
 HARDER_TASK_EXAMPLES = {"hundred_facts": "grpo"}  # example -> its optimiser: the built-in task, all 100 sums
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
 TEXTARENA_EXAMPLES = ["textarena_rps"]
+OPENENV_EXAMPLES = ["openenv_guess_number"]  # an OpenEnv game's server, started by the environment
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
 HF_EXAMPLES = ["hf_local", "smollm2_lora", "smollm2_calculator", "agent_calculator"]
 VERIFIERS_EXAMPLES = ["verifiers_sums"]  # trained in tests/plugins/test_verifiers_env.py (its package installed)
@@ -161,6 +162,7 @@ def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> No
             *HARDER_TASK_EXAMPLES,
             *MULTI_AGENT_EXAMPLES,
             *TEXTARENA_EXAMPLES,
+            *OPENENV_EXAMPLES,
             *DATA_EXAMPLES,
             *HF_EXAMPLES,
             *VERIFIERS_EXAMPLES,
@@ -205,6 +207,9 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
     elif path.stem in VERIFIERS_EXAMPLES:  # an installed verifiers environment package, scored by its own rewards
         assert shown["environment"]["name"] == "verifiers" and shown["reward"]["name"] == "verifiers"
         assert shown["environment"]["options"]["env_id"] == "vf-small-sums" and shown["policy"]["name"] == "tiny"
+    elif path.stem in OPENENV_EXAMPLES:
+        assert shown["environment"]["name"] == "openenv" and shown["reward"]["name"] == "env_reward"
+        assert shown["environment"]["options"]["package"] == "guess_number:app"
     elif path.stem in DATA_EXAMPLES:
         assert shown["environment"]["name"] == DATA_EXAMPLES[path.stem] and shown["policy"]["name"] == "tiny"
     elif path.stem in ("smollm2_lora", "smollm2_calculator", "agent_calculator"):
