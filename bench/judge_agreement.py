@@ -86,7 +86,8 @@ def reply_prompts(example: Path, n: int, seed: int) -> tuple[list[str], list[dic
         assert all(o.agent_id == role for o in obs)
         answer = (lambda m: m["intent"]) if role == "intent" else (lambda m: m["gold_ids"][0])
         obs = env.step([answer(o.metadata) for o in obs]).observations
-    return [o.prompt for o in obs], [o.metadata for o in obs]
+    # the trainer's reward rows carry the acting agent (palestra.multiagent.credit): the judge judges "response" rows
+    return [o.prompt for o in obs], [{**o.metadata, "agent_id": o.agent_id} for o in obs]
 
 
 def replies(metadata: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for the judge")
     parser.add_argument("--out", type=Path, default=None, help="write the figures and every row as JSON here")
+    parser.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="override a judge option (YAML value)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -181,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     from palestra.plugins.rewards.dialogue import reply_politeness
 
     torch.set_num_threads(args.threads)
-    options = {**judge_options(args.example), "threads": args.threads, "device": "cpu"}
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
+    options = {**judge_options(args.example), **overrides, "threads": args.threads, "device": "cpu"}
     prompts, metadata = reply_prompts(args.example, args.dialogues, args.seed)
     toned = replies(metadata)
     loaded = time.perf_counter()

