@@ -440,7 +440,8 @@ def test_smollm2_as_the_examples_judge_answers_a_score_for_every_reply() -> None
     # after the "Score:" the example starts, a number every time (out of range at times: "Score: 99.")
     assert all(re.match(r"Score:\s*\d", a) for a in answers), answers
     parsed = [parse_score(a, 0, 10) for a in answers]
-    assert out.metrics["parse_failures"] == pytest.approx(parsed.count(None) / len(parsed)) <= 1 / 3, answers
+    assert out.metrics["parse_failures"] == pytest.approx(parsed.count(None) / len(parsed))
+    assert parsed.count(None) <= len(parsed) / 3, answers
     assert bool(((out.scores >= 0) & (out.scores <= 1)).all())
     # rows of other agents are not judged: the neutral score, and no prompt
     other = reward(["Q: hi\nintent:"], ["billing"], [{"query": "hi", "agent_id": "intent"}])
