@@ -139,3 +139,24 @@ def test_the_contract_kit_names_the_broken_rule(factory: Any, line: str) -> None
     with pytest.raises(ContractError) as caught:
         check_agent(factory)
     assert str(caught.value).startswith(line)
+
+
+def test_the_environment_contract_holds_for_the_agent_environment() -> None:
+    """check_environment on the agent's episodes (several instances, each with its own endpoint, played in lock step):
+    same seed, same tasks and steps, groups, one-row and empty batches, and the rewards score its rows."""
+    from palestra.testing import check_environment
+
+    made: list[AgentEnvironment] = []
+
+    def make() -> AgentEnvironment:
+        agent = build_component("agent", {"name": "calculator_agent", "options": {"max_turns": 2}}, path="agent")
+        env = AgentEnvironment(ArithmeticEnv(difficulty=1, terms=2, operations=["+"], prompt="{question} ="), agent,
+                               AgentServer(), HermesParser(), max_turns=3, request_timeout_s=30)  # fmt: skip
+        made.append(env)
+        return env
+
+    try:
+        check_environment(make, reward="correctness", reward_options={"tag": None})
+    finally:
+        for env in made:
+            env.close()
