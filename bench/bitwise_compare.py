@@ -152,9 +152,16 @@ def old_mappo_layout(flat: dict[str, Any]) -> bool:
 
 
 # Keys later commits added, each with a value that does not change training: a LoRA base's fingerprint (issue 23),
-# the torch thread count and its config key (issue 27), the tools section and the trajectory layout (issue 24).
-# Dropped from the after side when the before side lacks them.
-ADDED_KEYS = ("base_fingerprint", "threads", "config.train.threads", "config.tools", "config.train.trajectory")
+# the torch thread count and its config key (issue 27), the tools section and the trajectory layout (issue 24), the
+# agent section (issue 25). Dropped from the after side when the before side lacks them.
+ADDED_KEYS = (
+    "base_fingerprint",
+    "threads",
+    "config.train.threads",
+    "config.tools",
+    "config.train.trajectory",
+    "config.agent",
+)
 
 
 def compare_checkpoints(a: Path, b: Path) -> str | None:
