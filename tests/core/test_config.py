@@ -289,7 +289,8 @@ def test_unknown_component_name_suggests_the_closest() -> None:
         ),
         (
             "reward.options.layers[1].name=",
-            "reward.options.layers[1].name: is empty; name a registered reward (agent_reward, correctness, env_reward, factual,",
+            "reward.options.layers[1].name: is empty; name a registered reward (agent_reward, correctness, env_reward, "
+            "factual,",
         ),
         ("reward.options.layers[1].name=[x]", "reward.options.layers[1].name: expected a string, got ['x']"),
     ],
