@@ -365,7 +365,7 @@ def test_cli_plugins_table(in_process, sites, capsys) -> None:
         warnings.simplefilter("ignore", PalestraPluginWarning)
         assert cli.main(["plugins"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines.pop(0) == "palestra 0.1.0, plugin API 2.1"
+    assert lines.pop(0) == "palestra 0.1.0, plugin API 2.2"
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "HOOKS", "REGISTERS"]
     assert lines[1].split()[:4] == ["broken", "palestra-broken-plugin", "0.0.1", "-"]
     assert "FAILED: ModuleNotFoundError" in lines[1]
