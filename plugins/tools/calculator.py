@@ -58,6 +58,9 @@ class CalculatorOptions:
     timeout_s: float = option(5.0, gt=0)  # one call's wall-clock limit (the tool loop enforces it)
 
 
+MAX_DEPTH = 500  # operators deep: a sum of 500 terms (the longest a 1000-character expression holds) passes
+
+
 class Calculator:
     """Evaluates one expression within the bounds of :class:`CalculatorOptions`."""
 
@@ -80,18 +83,22 @@ class Calculator:
         except (RecursionError, MemoryError):  # the parser's own nesting limits
             raise ValueError("the expression nests too deeply") from None
         try:
-            return render(self.walk(tree.body))
+            return render(self.walk(tree.body, 0))
         except RecursionError:
             raise ValueError("the expression nests too deeply") from None
 
-    def walk(self, node: ast.AST) -> Number:
+    def walk(self, node: ast.AST, depth: int) -> Number:
+        # An explicit bound, not only RecursionError: a library can raise the interpreter's recursion limit (torch's
+        # compiler does), and the refusal must not depend on what else the process has imported.
+        if depth > MAX_DEPTH:
+            raise ValueError("the expression nests too deeply")
         if isinstance(node, ast.Constant):
             return self.bounded(self.literal(node.value), "the number")
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](self.walk(node.operand))
+            return _UNARY[type(node.op)](self.walk(node.operand, depth + 1))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             symbol, fn = _BINARY[type(node.op)]
-            left, right = self.walk(node.left), self.walk(node.right)
+            left, right = self.walk(node.left, depth + 1), self.walk(node.right, depth + 1)
             if symbol == "**":
                 self.check_power(left, right)
             return self.bounded(self.apply(fn, left, right, symbol), f"the result of {symbol}")

@@ -4,6 +4,7 @@ refusal is one ValueError line (the tool loop hands it to the model)."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,18 @@ def test_a_long_or_deep_expression_is_refused_in_one_line(calc: Tool) -> None:
     with pytest.raises(ValueError, match=r"^the expression nests too deeply$"):
         run(calc, "-" * 999 + "1")
     assert run(calc, "+".join(["1"] * 400)) == "400"  # long but within the limit
+
+
+def test_deep_nesting_is_refused_whatever_the_recursion_limit(calc: Tool) -> None:
+    # torch's compiler and other libraries raise the interpreter's limit; the refusal must not depend on it
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        with pytest.raises(ValueError, match=r"^the expression nests too deeply$"):
+            run(calc, "-" * 999 + "1")
+        assert run(calc, "+".join(["1"] * 500)) == "500"
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_options_bound_digits_and_length_and_are_checked_like_a_config() -> None:
