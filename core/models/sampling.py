@@ -20,9 +20,9 @@ The result follows the completion conventions of :class:`palestra.types.Generati
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -228,6 +228,37 @@ class _Draws:
         )
 
 
+class DecodeStepper(Protocol):
+    """What the sampling loop needs of a model: logits for the prompt's last token, then for each new token."""
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, V]`` after the left-padded prompt ``[B, P]`` (``positions``: each token's position)."""
+        ...
+
+    def step(self, token: torch.Tensor, mask: torch.Tensor, length: int, position: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, V]`` after ``token [B, 1]`` at ``position [B, 1]``. ``mask [B, P + N]`` is the whole
+        generation's attention mask, allocated once; its first ``length`` columns are written (the prompt, the
+        tokens so far and this one), the rest are not yet."""
+        ...
+
+
+class PolicySteps:
+    """The policy's own ``decode_step`` with the cache it returns (grown by one column a step)."""
+
+    def __init__(self, policy: Any, agent_ids: Sequence[AgentId] | None) -> None:
+        self.policy, self.agent_ids, self.cache = policy, agent_ids, None
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits, self.cache = self.policy.decode_step(prompt_ids, prompt_mask, positions, None, agent_ids=self.agent_ids)
+        return logits
+
+    def step(self, token: torch.Tensor, mask: torch.Tensor, length: int, position: torch.Tensor) -> torch.Tensor:
+        logits, self.cache = self.policy.decode_step(
+            token, mask[:, :length], position, self.cache, agent_ids=self.agent_ids
+        )
+        return logits
+
+
 def _decode_loop(
     policy: Any,
     prompt_ids: torch.Tensor,
@@ -240,8 +271,11 @@ def _decode_loop(
     caps: list[int] | None,
     generator: torch.Generator | None,
     agent_ids: Sequence[AgentId] | None,
+    stepper: DecodeStepper | None = None,
 ) -> None:
-    """Prefill the prompt, then draw one token per row per step into ``out`` until every row is done or full."""
+    """Prefill the prompt, then draw one token per row per step into ``out`` until every row is done or full.
+
+    ``stepper`` runs the model (None: :class:`PolicySteps`, the policy's own ``decode_step`` and KV cache)."""
     b, p = prompt_ids.shape
     n = out.ids.shape[1]
     device = prompt_ids.device
@@ -257,7 +291,8 @@ def _decode_loop(
     cap_t = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
     if cap_t is not None:
         done = cap_t == 0  # rows capped at 0 tokens sample nothing
-    logits, cache = policy.decode_step(prompt_ids, prompt_mask, positions, None, agent_ids=agent_ids)
+    steps = stepper if stepper is not None else PolicySteps(policy, agent_ids)
+    logits = steps.prefill(prompt_ids, prompt_mask, positions)
     for t in range(n):
         token, logp = pick_tokens(logits, params.temperature, params.top_p, generator)
         token = token.masked_fill_(done, pad)
@@ -275,9 +310,7 @@ def _decode_loop(
         if t == n - 1 or bool(done.all()):
             break
         torch.logical_not(done, out=mask[:, p + t])
-        logits, cache = policy.decode_step(
-            token[:, None], mask[:, : p + t + 1], next_position, cache, agent_ids=agent_ids
-        )
+        logits = steps.step(token[:, None], mask, p + t + 1, next_position)
         next_position = next_position + 1
 
 
@@ -307,6 +340,7 @@ def sample(
     max_new_tokens: Sequence[int | None] | None = None,
     generator: torch.Generator | None = None,
     agent_ids: Sequence[AgentId] | None = None,
+    stepper: Callable[[int], DecodeStepper] | None = None,
 ) -> Generation:
     """Sample one completion per row of the left-padded ``prompt_ids [B, P]`` / ``prompt_mask [B, P]``.
 
@@ -314,7 +348,8 @@ def sample(
     ``min(params.max_new_tokens, max_new_tokens[i])`` tokens (None: no extra cap); a row that reaches its cap
     ends like a length-truncated one, and the draws of the other rows do not change. ``generator`` seeds the
     draws (same seed, same completions); None uses torch's global RNG. ``agent_ids`` (one per row) go to every
-    ``policy.decode_step``. See the module docstring for the result.
+    ``policy.decode_step``. ``stepper(n)`` builds the model runner for ``n`` new tokens at most (None:
+    :class:`PolicySteps`). See the module docstring for the result.
     """
     check_params(params)
     _check_prompts(prompt_ids, prompt_mask)
@@ -344,6 +379,7 @@ def sample(
             caps=caps,
             generator=generator,
             agent_ids=agent_ids,
+            stepper=None if stepper is None else stepper(n),
         )
     completion_ids = out.ids[:, : out.steps]
     completion_mask = out.mask[:, : out.steps]
@@ -363,10 +399,12 @@ def generate(
     params: SamplingParams,
     *,
     generator: torch.Generator | None = None,
+    stepper: Callable[[int], DecodeStepper] | None = None,
 ) -> Generation:
     """Encode ``observations`` with ``policy.encode_observations`` and :func:`sample` one completion for each,
     with each observation's ``stop`` strings added to ``params.stop``, its ``max_new_tokens`` (when set)
-    capping its row below ``params.max_new_tokens``, and its ``agent_id`` handed to the policy's decode steps."""
+    capping its row below ``params.max_new_tokens``, and its ``agent_id`` handed to the policy's decode steps.
+    ``stepper`` is :func:`sample`'s."""
     if not observations:
         raise ValueError("generate: observations is empty")
     caps = [o.max_new_tokens for o in observations]
@@ -384,7 +422,8 @@ def generate(
         max_new_tokens=caps if any(c is not None for c in caps) else None,
         generator=generator,
         agent_ids=[o.agent_id for o in observations],
+        stepper=stepper,
     )
 
 
-__all__ = ["check_params", "generate", "pick_tokens", "sample"]
+__all__ = ["DecodeStepper", "PolicySteps", "check_params", "generate", "pick_tokens", "sample"]

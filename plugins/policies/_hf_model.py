@@ -379,10 +379,14 @@ class HFPolicy(CausalLMPolicy):
         cache: Any = None,
         *,
         use_cache: bool = False,
+        attention: str | None = None,
     ) -> tuple[torch.Tensor, Any]:
+        """The last layer's hidden states and the cache. ``attention`` names the attention implementation for this
+        call (None: the generation one with ``use_cache``, the training one otherwise)."""
         o = self.options
         # Incremental decoding (use_cache) is sampling; every other forward scores or trains.
-        wanted = (o.generation_attn_implementation or o.attn_implementation) if use_cache else o.attn_implementation
+        default = (o.generation_attn_implementation or o.attn_implementation) if use_cache else o.attn_implementation
+        wanted: str = attention or default
         if wanted != self._attn_now:  # switched once per phase, not per token
             self.hf_model.set_attn_implementation(wanted)
             self._attn_now = wanted
@@ -395,6 +399,13 @@ class HFPolicy(CausalLMPolicy):
         )
         new_cache = getattr(out, self._cache_arg, None) if use_cache else None
         return out.last_hidden_state, new_cache
+
+    def static_steps(self, max_new_tokens: int, *, share_prompts: bool = True, compile: bool = False) -> Any:
+        """A :class:`palestra.models.sampling.DecodeStepper` over a preallocated KV cache (the ``static_kv``
+        generator's; see :mod:`palestra.plugins.policies._static_decode`)."""
+        from palestra.plugins.policies._static_decode import StaticSteps
+
+        return StaticSteps(self, max_new_tokens, share_prompts=share_prompts, compile=compile)
 
     def output_head(self) -> torch.nn.Module:
         return self.hf_model.get_output_embeddings()

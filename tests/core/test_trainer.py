@@ -488,6 +488,24 @@ def test_a_tiny_huggingface_model_trains_through_the_trainer(qwen2_dir: Path, tm
     assert len(changed) == len(before)  # every weight moved (the embeddings are tied to the head)
 
 
+def test_the_static_kv_generator_trains_the_run_kv_cache_trains(qwen2_dir: Path, tmp_path: Path) -> None:
+    """Same seed, same sampled tokens, so the same rewards and (to float rounding) the same updates."""
+    runs = []
+    for name in ("kv_cache", "static_kv"):
+        config = make_config(
+            policy={"name": "hf", "options": {"path": str(qwen2_dir), "dtype": "float32"}},
+            environment={"name": "arithmetic", "options": {"difficulty": 1}},
+            reward={"name": "length", "options": {"target": 8, "unit": "chars"}},
+            generator={"name": name},
+            train={"steps": 3, "batch_size": 2, "group_size": 4, "lr": 1e-3, "eval_size": 2},
+        )
+        trainer = Trainer(config, run_dir=tmp_path / name)
+        runs.append([trainer.step() for _ in range(3)])
+    for ours, theirs in zip(runs[1], runs[0], strict=True):
+        assert ours["reward/mean"] == theirs["reward/mean"] and ours["response/length"] == theirs["response/length"]
+        assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-4)
+
+
 # ---- checkpoints -------------------------------------------------------------------------------------------
 def test_the_checkpoint_is_written_atomically_at_the_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
