@@ -199,7 +199,7 @@ def palestra_config(args: argparse.Namespace, folder: Path, run_dir: Path) -> An
             "name": "grpo",
             "options": {"beta": args.beta, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean"},
         },
-        "generator": {"name": "kv_cache"},
+        "generator": {"name": args.generator},
         "loggers": [],
         "train": {
             "steps": args.steps + 1,
@@ -438,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         "train.grad_accum); the rows of a step must divide evenly",
     )
     p.add_argument(
+        "--generator",
+        choices=("kv_cache", "static_kv"),
+        default="kv_cache",
+        help="Palestra's generator: static_kv preallocates the KV cache and prefills each prompt once per group",
+    )
+    p.add_argument(
         "--cache",
         default=str(Path.home() / ".cache" / "palestra" / "bench-models"),
         help="where the built model folders are kept",
@@ -481,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             "attn": args.attn,
             "grad_accum": args.grad_accum,
             "generation_attn": args.generation_attn or args.attn,
+            "generator": args.generator,
             "trl_attn": args.trl_attn,
             "cpu": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
