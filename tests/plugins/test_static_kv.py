@@ -185,3 +185,18 @@ def test_the_compiled_decode_step_gives_the_eager_steps_greedy_outputs(folders: 
     ours, theirs = both(policy, params, observations(), compile=True)
     assert torch.equal(ours.completion_ids, theirs.completion_ids)
     assert torch.allclose(ours.logprobs, theirs.logprobs, atol=1e-4)
+
+
+def test_a_lora_policy_decodes_through_its_adapters(folders: dict[str, Path]) -> None:
+    pytest.importorskip("peft")
+    policy = build(folders["llama"], lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    with torch.no_grad():  # adapters that change the outputs: B starts at zero
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    ours, theirs = both(policy, greedy, observations())
+    assert torch.equal(ours.completion_ids, theirs.completion_ids)
+    with policy.adapters_disabled():
+        base, _ = both(policy, greedy, observations())
+    assert not torch.equal(ours.completion_ids, base.completion_ids)
