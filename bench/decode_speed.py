@@ -19,13 +19,7 @@ from typing import Any
 
 import torch
 
-
-def cpu_kind() -> str:
-    import os
-
-    from palestra.kernels.build import cpu_bf16_kind, cpu_model
-
-    return f"{cpu_model()}, {'AMX' if cpu_bf16_kind() == 'amx' else 'no AMX'}, {os.cpu_count()} cores"
+from busy_machine import cpu_kind  # bench/: the CPU model, AMX or not, the core count
 
 
 def observations(prompts: int, group: int) -> list[Any]:

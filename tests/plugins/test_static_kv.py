@@ -24,14 +24,7 @@ from palestra.types import Observation, SamplingParams
 pytest.importorskip("transformers")
 
 MODELS = ("llama", "qwen2")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
