@@ -431,7 +431,7 @@ def _build(
     from palestra.config.preflight import preflight  # torch is only imported once the config is valid
     from palestra.engine import checkpoint as ckpt
     from palestra.engine.trainer import Trainer
-    from palestra.scale.cpu_threads import apply_threads, choose_threads
+    from palestra.scale.cpu_threads import apply_threads, choose_threads, leave_cores_to_the_worker
 
     # what this machine must provide (the device, the kernel back end, a writable folder, memory for a batch)
     preflight(config, run_dir=run_dir if point is not None else None)
@@ -439,6 +439,9 @@ def _build(
     # checkpoint recorded (reductions split by thread: the same count keeps the resume bitwise).
     saved = point.state.get("threads") if point is not None else None
     choice = choose_threads(config.train.threads, torch.get_num_threads(), saved=saved)
+    async_section = config.train.async_
+    if async_section is not None and async_section.lag and choice.source == "free cores":
+        choice = leave_cores_to_the_worker(choice, async_section.threads)
     apply_threads(choice)
 
     check_export(config, run_dir, overwrite=overwrite, run_id=point.state.get("run_id") if point is not None else None)

@@ -118,6 +118,7 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     torch.manual_seed(config.run.seed)
     set_backend(config.kernels.backend)
     check_agent_section(config)
+    check_async_section(config)
     env = build_component("environment", config.environment, path="environment")
     # A data set's own held-out split when it keeps one; else a second instance (evaluated on held-out seeds).
     eval_env = (
@@ -157,6 +158,24 @@ def build_run(config: Config, dist: DistributedContext) -> RunComponents:
     # Everything the learner needs from the run, handed over explicitly: device, ranks, precision, gradient averaging.
     context = TrainContext.for_run(config, dist)
     return RunComponents(config, dist, env, eval_env, reward, loggers, generator, algorithm, policy, reference, context)
+
+
+def build_sampling_side(config: Config, device: Any) -> tuple[Any, Any, Any]:
+    """The environment, generator and policy of ``config`` on ``device``: what an asynchronous run's rollout worker
+    (:mod:`palestra.engine.rollout_worker`) samples with. The policy's weights are the learner's to send: whatever
+    this build initialises them to is overwritten."""
+    import torch
+
+    from palestra.kernels import set_backend
+
+    set_backend(config.kernels.backend)
+    env = build_component("environment", config.environment, path="environment")
+    if config.tools is not None:
+        (env,) = wrap_with_tools([env], config)
+    generator = build_component("generator", config.generator, path="generator")
+    policy = build_component("policy", config.policy, path="policy")
+    policy.to(device=device, dtype=getattr(torch, config.train.dtype))
+    return env, generator, policy
 
 
 def build_tools(config: Config) -> list[Any]:
@@ -222,6 +241,23 @@ def wrap_with_tools(envs: list[Any], config: Config) -> list[Any]:
         )
         for env in envs
     ]
+
+
+def check_async_section(config: Config) -> None:
+    """What ``train.async`` cannot run with in the config itself, before anything is built: one line each."""
+    section = config.train.async_
+    if section is None or not section.lag:
+        return
+    if config.agents is not None:
+        raise ConfigError(
+            "train.async: multi-agent runs (the agents: section) are synchronous only: their per-agent policy views "
+            "share layers that the worker would have to rebuild; set train.async=null"
+        )
+    if config.agent is not None:
+        raise ConfigError(
+            "train.async: agent code (the agent: section) plays its episodes through the trainer's own rollout "
+            "endpoint; set train.async=null"
+        )
 
 
 def check_agent_section(config: Config) -> None:

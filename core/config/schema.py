@@ -22,6 +22,7 @@ def option(
     lt: float | None = None,
     path: str | None = None,
     runs_code: bool = False,
+    key: str | None = None,
 ) -> Any:
     """A dataclass field with bounds checked at validation (``None`` values skip the bounds).
 
@@ -29,9 +30,10 @@ def option(
     directory), ``"run"`` (the run folder) or the name of another path option of the same dataclass (a file in
     that folder). ``runs_code`` declares an option that, set, runs code shipped with its data (transformers'
     ``trust_remote_code``). A config read back from a checkpoint uses neither kind of value when it reaches
-    outside the run folder unless the user passes it again (:mod:`palestra.config.untrusted`)."""
+    outside the run folder unless the user passes it again (:mod:`palestra.config.untrusted`). ``key``: the name
+    the option has in a config when it is not the field's (``train.async``: ``async`` is a Python keyword)."""
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    metadata = {"bounds": bounds, "path": path, "runs_code": runs_code}
+    metadata = {"bounds": bounds, "path": path, "runs_code": runs_code, "key": key}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -220,6 +222,16 @@ class KernelsConfig:
     backend: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"  # auto: chosen per device
 
 
+@dataclass
+class AsyncConfig:
+    """Asynchronous rollouts (docs/scale.md): a generation worker process samples step t+lag's batch with the weights
+    of step t while the learner updates on batch t. ``lag`` 0 is the synchronous loop (no worker)."""
+
+    lag: int = option(1, ge=0)  # steps between the weights a batch is sampled with and the step that trains on it
+    threads: int = option(1, ge=1)  # the worker's CPU threads (the learner's come from train.threads)
+    start_timeout_s: float = option(600.0, gt=0)  # building the worker's copy of the run (a model load) may take this
+
+
 # train.device: what torch.device accepts and the trainer places a run on (``cuda:01`` is not a torch device).
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:(0|[1-9][0-9]*))?")
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:<n> (a GPU index such as cuda:0) or mps"
@@ -273,6 +285,8 @@ class TrainConfig:
     export: bool = False
     export_dir: str | None = option(None, path="cwd")  # where; null: <run directory>/export
     export_merge_lora: bool = True  # a LoRA policy: adapters merged into the weights, or (false) base + peft adapter
+    # Rollouts generated in a worker process, `lag` steps ahead of the learner (docs/scale.md); null: synchronous
+    async_: AsyncConfig | None = option(None, key="async")  # noqa: RUF009 - option() returns a dataclass field
 
     def __post_init__(self) -> None:
         if self.export_dir is not None and not self.export_dir.strip():

@@ -30,6 +30,7 @@ from typing import Any
 from palestra.errors import ConfigError
 
 from .schema import ComponentSpec, Config
+from .validation import config_key
 
 PACKAGE_PREFIX = "package:"  # a path option naming an installed package's folder (the hf policy's path)
 BUILTIN_DISTRIBUTION = "palestra"  # the distribution whose plugins are palestra's own (plugin_manager.DISTRIBUTION)
@@ -132,7 +133,7 @@ def _walk_fields(obj: Any, path: str, root: Path) -> Iterator[Claim]:
     for f in dataclasses.fields(obj):
         if not f.init:
             continue
-        key, value = _join(path, f.name), getattr(obj, f.name)
+        key, value = _join(path, config_key(f)), getattr(obj, f.name)
         meta: Mapping[str, Any] = f.metadata or {}
         if isinstance(obj, ComponentSpec) and f.name == "name":
             yield Claim(key, value, "name", _plugin_problem(obj))

@@ -191,13 +191,19 @@ def _init_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.init]
 
 
+def config_key(f: dataclasses.Field[Any]) -> str:
+    """The name field ``f`` has in a config: its declared ``key`` (``train.async``), else the field's name."""
+    key = f.metadata.get("key") if f.metadata else None
+    return key if isinstance(key, str) else f.name
+
+
 def _convert_dataclass(value: Any, cls: type, path: str) -> Any:
     if isinstance(value, cls):  # already checked (built in Python, or by an outer validation)
         return value
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {_show(value)}")
     flds = _init_fields(cls)
-    names = [f.name for f in flds]
+    names = [config_key(f) for f in flds]
     for key in value:
         if not isinstance(key, str):
             raise ConfigError(f"{path or 'config'}: keys must be strings, got {_show(key)}")
@@ -207,11 +213,11 @@ def _convert_dataclass(value: Any, cls: type, path: str) -> Any:
     is_spec = issubclass(cls, ComponentSpec)
     kwargs: dict[str, Any] = {}
     for f in flds:
-        fpath = _join(path, f.name)
+        fpath = _join(path, config_key(f))
         if is_spec and f.name == "options":
             continue  # checked below, against the options the named component registered
-        if f.name in value:
-            v = value[f.name]
+        if config_key(f) in value:
+            v = value[config_key(f)]
         elif f.default is not MISSING:
             v = to_plain(f.default)
         elif f.default_factory is not MISSING:
@@ -326,7 +332,7 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, _Override):
         return obj.parsed
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_plain(getattr(obj, f.name)) for f in _init_fields(type(obj))}
+        out = {config_key(f): to_plain(getattr(obj, f.name)) for f in _init_fields(type(obj))}
         if isinstance(obj, ComponentSpec) and out.get("options") is None:
             out["options"] = {}
         return out

@@ -29,6 +29,7 @@ from palestra.types import AgentId, Experience, RewardOutput, SamplingParams
 if TYPE_CHECKING:
     from palestra.config import Config
     from palestra.engine.checked_environment import CheckedEnvironment
+    from palestra.engine.rollout_worker import RolloutWorker
     from palestra.engine.watchdog import StepWatchdog
     from palestra.scale.distributed import DistributedContext
 
@@ -55,8 +56,11 @@ class Round:
     scored: RewardOutput
     global_scores: torch.Tensor
     agent_metrics: dict[str, float]
-    generate_s: float
+    generate_s: float  # the learner's time for the rollout (an asynchronous run's: waiting for the worker)
     reward_s: float
+    version: int  # the weights it was sampled with (the step's own, unless the run is asynchronous)
+    worker_generate_s: float | None = None  # an asynchronous run's: the worker's time sampling it
+    worker_waited_s: float = 0.0  # an asynchronous run's: how long the worker waited for the request
 
 
 def episode_token_budget(config: Config) -> int | None:
@@ -107,6 +111,24 @@ class Sampler:
         self.max_tokens = episode_token_budget(config)  # a sequence's token budget
         self.local_batch_size = dist.local_batch_size(t.batch_size)
         self.params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
+        self.worker: RolloutWorker | None = None  # an asynchronous run's generation worker (attach_worker)
+
+    def attach_worker(self, worker: RolloutWorker | None) -> None:
+        """Sample through ``worker`` from now on (None: in this process again)."""
+        self.worker = worker
+
+    def seeds(self, step: int, refill: int = 0) -> tuple[int, int]:
+        """Step ``step``'s task seed and sampling seed (``refill``: its n-th extra rollout's)."""
+        seed = self.config.run.seed
+        # One process: the historical streams. Several: each rank its own task and sampling stream.
+        stream = "" if not self.dist.enabled else f"/rank{self.dist.rank}"
+        stream += f"/refill{refill}" if refill else ""
+        return derive_seed(seed, "tasks" + stream, step), derive_seed(seed, "sampling" + stream, step)
+
+    def request(self, step: int, refill: int = 0) -> None:
+        """Ask the worker for step ``step``'s batch (the schedule is the trainer's; see rollout_worker)."""
+        assert self.worker is not None
+        self.worker.request(step, refill, *self.seeds(step, refill))
 
     def sample(self, step: int) -> Sampled:
         """Step ``step``'s rows: one rollout, then refills while the algorithm lacks groups with a signal."""
@@ -115,17 +137,16 @@ class Sampler:
         refill: dict[str, float] = {}
         if self.refill_rounds:
             batch, refill = self._refill(step, rounds)
-        return Sampled(
-            batch, mean64(torch.cat([r.global_scores for r in rounds])), {**self._metrics(rounds, batch), **refill}
-        )
+        mean = mean64(torch.cat([r.global_scores for r in rounds]))
+        return Sampled(batch, mean, {**self._metrics(step, rounds, batch), **refill})
 
     def rollout(self, step: int, refill: int = 0) -> Round:
         """Sample and score one rollout (``refill``: the step's n-th extra one, with tasks and samples of its own)."""
-        t, seed = self.config.train, self.config.run.seed
-        # One process: the historical streams. Several: each rank its own task and sampling stream.
-        stream = "" if not self.dist.enabled else f"/rank{self.dist.rank}"
-        stream += f"/refill{refill}" if refill else ""
-        gen = torch.Generator(device=self.dist.device).manual_seed(derive_seed(seed, "sampling" + stream, step))
+        if self.worker is not None:
+            return self._worker_rollout(step, refill)
+        t = self.config.train
+        task_seed, sampling_seed = self.seeds(step, refill)
+        gen = torch.Generator(device=self.dist.device).manual_seed(sampling_seed)
         self.policy.eval()
         started = time.perf_counter()
         # Sampling runs in the training precision too (train.precision=bf16: the decode matmuls in bf16, the sampling
@@ -138,12 +159,29 @@ class Sampler:
                 self.params,
                 self.local_batch_size,
                 group_size=t.group_size,
-                seed=derive_seed(seed, "tasks" + stream, step),
+                seed=task_seed,
                 rng=gen,
                 trajectory=self.trajectory,  # type: ignore[arg-type]
                 max_tokens=self.max_tokens,
             )
         generate_s = time.perf_counter() - started
+        return self.score(ro, generate_s, version=step)
+
+    def _worker_rollout(self, step: int, refill: int) -> Round:
+        """An asynchronous run's rollout: the worker's batch, sampled ahead with older weights, scored here."""
+        assert self.worker is not None
+        started = time.perf_counter()
+        with self.watchdog.phase(self.worker.phase):
+            if refill:  # refills are drawn when a step's batch lacks signal: requested now, with the batch's weights
+                self.request(step, refill)
+            got = self.worker.receive(step, refill)
+        round_ = self.score(got.rollout, time.perf_counter() - started, version=got.version)
+        round_.worker_generate_s, round_.worker_waited_s = got.generate_s, got.waited_s
+        return round_
+
+    def score(self, ro: Rollout, generate_s: float, *, version: int) -> Round:
+        """Score a rollout with the reward (the global batch under torchrun) and lay it out as training rows."""
+        started = time.perf_counter()
         # multi-agent: one reward call over every row credit assignment needs (agents.credit "role" gives each agent's
         # rows its own turn's reward; per-agent metrics either way), then the plan splits that one output
         plan = (
@@ -156,11 +194,11 @@ class Sampler:
         agent_metrics: dict[str, float] = {}
         if plan is not None:
             scored, agent_scores, agent_metrics = plan.assign(scored)
-        reward_s = time.perf_counter() - started - generate_s
+        reward_s = time.perf_counter() - started
         batch = ro.experience(
             scored.scores, scored.components, pad_token_id=self.policy.tokenizer.pad_token_id, agent_scores=agent_scores
         )
-        return Round(ro, batch, scored, global_scores, agent_metrics, generate_s, reward_s)
+        return Round(ro, batch, scored, global_scores, agent_metrics, generate_s, reward_s, version)
 
     def _refill(self, step: int, rounds: list[Round]) -> tuple[Experience, dict[str, float]]:
         """The first round's rows with more rollouts appended (to ``rounds``) while the algorithm lacks groups with a
@@ -180,7 +218,7 @@ class Sampler:
             short = self.groups_short(batch)
         return batch, {"rollout/refill_rounds": float(drawn), "rollout/groups_short": float(short)}
 
-    def _metrics(self, rounds: list[Round], batch: Experience) -> dict[str, float]:
+    def _metrics(self, step: int, rounds: list[Round], batch: Experience) -> dict[str, float]:
         """The sampling metrics over every kept row (the mean reward and its EMA are the trainer's)."""
         first, last = rounds[0].scored, rounds[-1].scored
         components = {
@@ -188,16 +226,26 @@ class Sampler:
         }
         generated = int(batch.completion_mask.sum())
         generate_s = sum(r.generate_s for r in rounds)
+        sampling_s = generate_s if self.worker is None else sum(r.worker_generate_s or 0.0 for r in rounds)
         metrics = {
             **components,
             **{f"curriculum/{k}": v for k, v in last.metrics.items()},  # the reward's state after the step's last call
             "response/length": generated / max(1, batch.batch_size),
-            "perf/gen_tokens_per_s": generated / max(generate_s, 1e-9),
-            "perf/generate_s": generate_s,  # the rollouts: environment calls and sampling
+            "perf/gen_tokens_per_s": generated / max(sampling_s, 1e-9),
+            "perf/generate_s": generate_s,  # the rollouts: environment calls and sampling (async: waiting for them)
             "perf/reward_s": sum(r.reward_s for r in rounds),
             # per-agent scores of the first rollout (a multi-agent algorithm draws no refills)
             **rounds[0].agent_metrics,
         }
+        if self.worker is not None:  # only then: a synchronous run logs what it always did
+            metrics.update(
+                {
+                    "rollout/policy_lag": sum(step - r.version for r in rounds) / len(rounds),
+                    "perf/learner_wait_s": generate_s,
+                    "perf/generator_wait_s": sum(r.worker_waited_s for r in rounds),
+                    "perf/worker_generate_s": sampling_s,
+                }
+            )
         best = self.reward.max_score
         if best is not None:
             metrics["reward/max"] = best

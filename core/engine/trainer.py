@@ -25,6 +25,7 @@ run. SIGINT and SIGTERM stop the run at the next step boundary with a checkpoint
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 import warnings
@@ -41,6 +42,7 @@ from palestra.engine import checkpoint as ckpt
 from palestra.engine.checked_environment import CheckedEnvironment
 from palestra.engine.learner import Learner
 from palestra.engine.rollout import collect
+from palestra.engine.rollout_worker import RolloutWorker, RolloutWorkerError, check_async
 from palestra.engine.sampling import Sampled, Sampler, derive_seed, episode_token_budget, mean64
 from palestra.engine.trajectory import choose_trajectory
 from palestra.engine.watchdog import Interrupted, StepWatchdog, StopSignals
@@ -150,6 +152,12 @@ class Trainer:
             trajectory=self.trajectory,
         )
         self.local_batch_size = self.sampler.local_batch_size
+        # train.async: a generation worker `lag` steps ahead (palestra.engine.rollout_worker), started by train()
+        self.lag = config.train.async_.lag if config.train.async_ is not None else 0
+        if self.lag:
+            check_async(config, self.env, self.dist)
+        self.worker: RolloutWorker | None = None
+        self._earlier_versions: dict[int, dict[str, torch.Tensor]] = {}  # a resumed async run's, from its checkpoint
         # palestra train passes the handlers it holds for the whole command (start-up and the last phase too); the
         # trainer's own block nests in it, so one signal is one flag whichever phase it arrives in.
         self.stop_signals = stop_signals if stop_signals is not None else StopSignals()
@@ -212,8 +220,19 @@ class Trainer:
         self.bad_steps = 0
         metrics = self.dist.all_reduce_mean(_with_times(metrics, started, batch))
         self.step_index += 1
+        self._next_version()
         self.hooks.on_optimizer_step(run=self.run_state(metrics))
         return metrics
+
+    def _next_version(self) -> None:
+        """An asynchronous run: the weights after this step go to the worker, with the request that they serve (the
+        batch ``lag`` steps on)."""
+        if self.worker is None:
+            return
+        self.worker.publish(self.step_index)
+        ahead = self.step_index + self.lag
+        if ahead < self.config.train.steps:
+            self.sampler.request(ahead)
 
     def _reward_metrics(self, sampled: Sampled) -> dict[str, float]:
         """The step's reward metrics, with the reward EMA advanced once, over every row the step kept."""
@@ -244,6 +263,7 @@ class Trainer:
         metrics["perf/step_s"] = elapsed
         metrics = self.dist.all_reduce_mean(metrics) if updated else metrics
         self.step_index += 1
+        self._next_version()  # the same weights, a new version: the schedule stays fixed
         return metrics
 
     # ---- evaluation --------------------------------------------------------------------------------------
@@ -290,6 +310,7 @@ class Trainer:
         self.watchdog.start()
         try:
             with self.stop_signals:
+                self._start_worker()
                 self.hooks.on_train_start(run=self.run_state())
                 if self.before is None:
                     self.before = self.evaluate()
@@ -303,6 +324,10 @@ class Trainer:
             raise
         finally:
             self.watchdog.stop()
+            if self.worker is not None:
+                self.sampler.attach_worker(None)
+                self.worker.close()
+                self.worker = None
             for logger in self.loggers:
                 logger.close()
             if self.config.agent is not None:  # the rollout endpoint: its thread, socket and agents end with the run
@@ -312,6 +337,44 @@ class Trainer:
             self.before, after, metrics, self.run_dir, self.step_index, time.perf_counter() - started, history
         )
 
+    def _start_worker(self) -> None:
+        """An asynchronous run: start the worker with the weights it needs, and request the batches sampled before
+        the first step's update (``lag + 1`` of them: ``step .. step + lag``)."""
+        t = self.config.train
+        if not self.lag or self.step_index >= t.steps:
+            return
+        first = self.step_index
+        missing = [v for v in range(max(0, first - self.lag), first) if v not in self._earlier_versions]
+        if missing:
+            raise RolloutWorkerError(
+                f"train.async.lag={self.lag}: the checkpoint at step {first} lacks the weights of versions "
+                f"{missing} that its in-flight batches were sampled with (was it written with a smaller lag?); resume "
+                "with the lag it was written with"
+            )
+        with self.watchdog.phase("rollout worker start"):
+            self.worker = RolloutWorker(
+                self.config,
+                policy=self.policy,
+                version=first,
+                earlier=self._earlier_versions,
+                params=self.sampler.params,
+                batch_size=self.local_batch_size,
+                trajectory=self.trajectory,
+                max_tokens=self.sampler.max_tokens,
+                device=self.device,
+            )
+        self._earlier_versions = {}
+        self.sampler.attach_worker(self.worker)
+        for step in range(first, min(first + self.lag + 1, t.steps)):
+            self.sampler.request(step)
+        if self.dist.is_main:
+            threads = t.async_.threads if t.async_ is not None else 1
+            print(
+                f"palestra: rollout worker pid {self.worker.pid}, {threads} CPU thread{'s' if threads > 1 else ''}, "
+                f"sampling {self.lag} step{'s' if self.lag > 1 else ''} ahead of the learner",
+                file=sys.stderr,
+            )
+
     def _train_steps(self, history: list[dict[str, float]]) -> EvalResult:
         """The steps from ``self.step_index`` to ``train.steps``, the final evaluation and checkpoint."""
         t = self.config.train
@@ -319,7 +382,10 @@ class Trainer:
             self._stop_if_signalled()
             if self.step_index >= t.steps:
                 break
-            metrics = self.step()
+            try:
+                metrics = self.step()
+            except RolloutWorkerError as e:
+                raise RolloutWorkerError(f"{e}; {self._save_after_worker_fault()}") from None
             if t.eval_every and self.step_index % t.eval_every == 0 and self.step_index < t.steps:
                 metrics.update(self.evaluate().metrics())
             history.append(metrics)
@@ -332,6 +398,14 @@ class Trainer:
             self._log(after.metrics(), self.step_index)
         self.save()
         return after
+
+    def _save_after_worker_fault(self) -> str:
+        """The worker failed during a step: save the step boundary before it (the step had not updated) and say
+        where the run can resume from. Only the learner's state goes in: the weights the batches in flight were
+        sampled with are still in the ring."""
+        if self.saved_step != self.step_index:
+            self.save_step()
+        return f"the run saved step {self.step_index}: palestra train --resume {self.run_dir} continues it"
 
     def _stop_if_signalled(self) -> None:
         """At a step boundary before the last: if a rank got SIGINT/SIGTERM/SIGHUP, save this step and raise
@@ -372,6 +446,8 @@ class Trainer:
             before=self.before.to_dict() if self.before is not None else None,
             run_dir=self.run_dir,
         )
+        if self.worker is not None:  # the weights the batches in flight were sampled with: a resume samples them again
+            state["async"] = {"lag": self.lag, "versions": self.worker.versions_state(self.step_index)}
         self.hooks.on_checkpoint_save(run=self.run_state(), state=state)
         return state
 
@@ -416,6 +492,11 @@ class Trainer:
         # data from the run folder: each key a log file's name inside it, refused now (one line) before any build
         self._log_sizes = ckpt.check_log_keys(self.run_dir, restored.log_sizes, source)
         self._log_source = source
+        saved_async = state.get("async")
+        if self.lag and isinstance(saved_async, Mapping):
+            versions = saved_async.get("versions")
+            if isinstance(versions, Mapping):
+                self._earlier_versions = {int(v): dict(w) for v, w in versions.items()}
         self.hooks.on_checkpoint_load(run=self.run_state(), state=state)
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ThreadChoice", "apply_threads", "choose_threads", "idle_cores"]
+__all__ = ["ThreadChoice", "apply_threads", "choose_threads", "idle_cores", "leave_cores_to_the_worker"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,17 @@ def choose_threads(
         f"{max(0.0, busy):.1f} busy with other work); set train.threads or OMP_NUM_THREADS to choose"
     )
     return ThreadChoice(threads, "free cores", line)
+
+
+def leave_cores_to_the_worker(choice: ThreadChoice, worker_threads: int) -> ThreadChoice:
+    """An asynchronous run's learner: the free cores ``choice`` found, less the rollout worker's threads (at least
+    one left), so the two processes do not fight over the same cores."""
+    threads = max(1, choice.threads - worker_threads)
+    line = (
+        f"{choice.line.split(';')[0]}: {threads} for the learner, {worker_threads} for the rollout worker "
+        "(train.async.threads); set train.threads or OMP_NUM_THREADS to choose"
+    )
+    return ThreadChoice(threads, choice.source, line)
 
 
 def apply_threads(choice: ThreadChoice) -> None:

@@ -116,6 +116,23 @@ def test_ddp_on_two_cpu_ranks_keeps_identical_weights_and_learns(tmp_path: Path,
     print(f"ddp 2 ranks, 20 steps: {seconds:.1f} s")
 
 
+def test_async_rollouts_give_each_ddp_rank_its_own_worker_and_the_ranks_stay_identical(
+    tmp_path: Path, sites: dict[str, Path]
+) -> None:
+    config = write_config(
+        tmp_path, algorithm="grpo", options={"entropy_coef": 0.0}, train={"steps": 30, "async": {"lag": 1}}
+    )
+    dump = tmp_path / "dump"
+    out = torchrun(["--config", str(config)], tmp_path, sites=(sites["fault"],), PALESTRA_TEST_DUMP_PARAMS=str(dump))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sampling 1 step ahead of the learner" in out.stderr  # rank 0's worker, said once
+    a, b = (torch.load(dump / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "dist" / "log.jsonl").read_text().splitlines()]
+    assert [m["rollout/policy_lag"] for m in lines if "rollout/policy_lag" in m] == [0.0] + [1.0] * 29
+    assert_learns(rewards(tmp_path / "runs" / "dist"))
+
+
 def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path, sites: dict[str, Path]) -> None:
     options = {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0}
     config = write_config(tmp_path, algorithm="grpo", options=options, train={"steps": 20}, strategy="fsdp")
