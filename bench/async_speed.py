@@ -62,6 +62,8 @@ def one_run(config: Path, steps: int, threads: int, worker_threads: int | None, 
             k: statistics.median(m[k] for m in steps_logged[1:]) for k in PARTS if all(k in m for m in steps_logged)
         },
         "policy_lag": [m.get("rollout/policy_lag") for m in steps_logged],
+        "tokens_per_s_steps": [m["perf/tokens_per_s"] for m in steps_logged],
+        "gen_tokens_per_s_steps": [m["perf/gen_tokens_per_s"] for m in steps_logged],
     }
 
 

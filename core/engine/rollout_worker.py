@@ -177,7 +177,11 @@ class RolloutWorker:
         there.close()
         self.conn = here
         self._arrived: dict[tuple[int, int], Delivered] = {}
-        self._expect("ready", section.start_timeout_s, "while it started")
+        try:
+            self._expect("ready", section.start_timeout_s, "while it started")
+        except BaseException:
+            self.close()  # one that never got ready (a model that would not load, a timeout) must not linger
+            raise
 
     @property
     def pid(self) -> int:
@@ -298,20 +302,17 @@ def _serve(job: _Job, start: Mapping[str, torch.Tensor], ring: WeightRing, conn:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     _die_with_parent()
-    step = -1
     try:
         torch.set_num_threads(job.threads)
         sampler = _WorkerSampler(job, start)
         del start
         _send(conn, ("ready", os.getpid()))
         for request, waited in _requests(conn, job.parent):
-            step = request.step
             delivered = sampler.sample(request, ring, waited)
             _send(conn, ("rollout", request.step, request.refill, delivered))
-    except BaseException as e:  # noqa: BLE001 - whatever it is, the learner says it in one line
-        where = f"step {step + 1}: " if step >= 0 else ""
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the learner says it in one line (and the step)
         with contextlib.suppress(OSError, ValueError):
-            _send(conn, ("error", f"{where}{type(e).__name__}: {e}".splitlines()[0][:500]))
+            _send(conn, ("error", f"{type(e).__name__}: {e}".splitlines()[0][:500]))
         os._exit(1)
 
 

@@ -177,6 +177,8 @@ class Sampler:
             got = self.worker.receive(step, refill)
         round_ = self.score(got.rollout, time.perf_counter() - started, version=got.version)
         round_.worker_generate_s, round_.worker_waited_s = got.generate_s, got.waited_s
+        for row in round_.batch.metadata:  # every row says which weights sampled it (after the reward has scored it)
+            row["policy_version"] = got.version
         return round_
 
     def score(self, ro: Rollout, generate_s: float, *, version: int) -> Round:

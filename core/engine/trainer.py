@@ -403,6 +403,8 @@ class Trainer:
         """The worker failed during a step: save the step boundary before it (the step had not updated) and say
         where the run can resume from. Only the learner's state goes in: the weights the batches in flight were
         sampled with are still in the ring."""
+        if self.dist.enabled:  # a save is collective, and the other ranks' workers are alive: they are elsewhere
+            return f"palestra train --resume {self.run_dir} continues from the newest checkpoint"
         if self.saved_step != self.step_index:
             self.save_step()
         return f"the run saved step {self.step_index}: palestra train --resume {self.run_dir} continues it"

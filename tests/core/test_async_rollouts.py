@@ -223,16 +223,19 @@ HANG_SOURCE = textwrap.dedent(
     @dataclass
     class HangingOptions(ArithmeticOptions):
         hang_at: int = 3
+        fail: bool = False  # raise instead of hanging
 
 
     class Hanging(ArithmeticEnv):
-        def __init__(self, hang_at=3, **options):
+        def __init__(self, hang_at=3, fail=False, **options):
             super().__init__(**options)
-            self.hang_at, self.resets = hang_at, 0
+            self.hang_at, self.fail, self.resets = hang_at, fail, 0
 
         def reset(self, batch_size, *, seed=None, group_size=1):
             self.resets += 1
             if group_size > 1 and self.resets >= self.hang_at:  # training resets only (evaluation uses groups of 1)
+                if self.fail:
+                    raise ValueError("this reset fails")
                 time.sleep(3600)
             return super().reset(batch_size, seed=seed, group_size=group_size)
 
@@ -259,6 +262,29 @@ def test_a_hung_worker_is_named_by_the_watchdog_and_ends_with_the_run(
     assert proc.returncode == 70, err[-3000:]
     assert f"phase 'rollout worker (pid {pid})' of step" in err
     assert _gone(pid), "the hung worker outlived the run"
+
+
+@pytest.mark.slow
+def test_an_error_inside_the_worker_is_one_line_with_its_message_and_a_saved_step(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    (tmp_path / "site").mkdir()
+    site = install_plugin(tmp_path / "site", HANG_PLUGIN, HANG_SOURCE, "async_hang")
+    raw = raw_config(Path("runs"), **{**RUN, "save_every": 0})
+    raw["environment"]["name"] = "hanging"
+    raw["environment"]["options"]["fail"] = True
+    raw["train"]["async"] = {"lag": 1}
+    result = palestra(["--config", str(_config(tmp_path, raw))], tmp_path, site=site)
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = [x for x in result.stderr.strip().splitlines() if not WORKER_LINE.search(x)]
+    assert len(said) == 1, result.stderr[-3000:]
+    # resets 1 and 2 sample steps 1 and 2; the third, step 3's batch, fails; the learner has trained steps 1 and 2
+    assert re.fullmatch(
+        r"palestra train: error: rollout worker \(pid \d+\) failed while it sampled step 3's batch: "
+        r"EnvironmentProtocolError: environment 'hanging': reset raised ValueError: this reset fails; "
+        r"the run saved step 2: palestra train --resume runs/r continues it",
+        said[0],
+    ), said[0]
 
 
 # ---- what async cannot run with -----------------------------------------------------------------------------
@@ -311,3 +337,37 @@ def test_an_async_lora_run_sends_only_the_adapters_and_resumes_bitwise(
     kept = a["async"]["versions"]["7"]  # the version step 8's batch was sampled with: the adapters alone
     assert kept.keys() == a["policy"].keys() and len(kept) == 8
     assert any(not torch.equal(kept[k], a["policy"][k]) for k in kept)  # one update older than the final adapters
+
+
+def test_the_async_section_is_spelled_async_in_a_config() -> None:
+    from palestra.config import load_config
+
+    config = load_config(None, ["train.async.lag=2"])
+    assert config.train.async_ is not None and config.train.async_.lag == 2
+    assert config.to_dict()["train"]["async"] == {"lag": 2, "threads": 1, "start_timeout_s": 600.0}
+    assert load_config(None).to_dict()["train"]["async"] is None  # synchronous unless asked
+    with pytest.raises(Exception, match=r"train.async_: unknown key; did you mean 'async'\?"):
+        load_config(None, ["train.async_={lag: 1}"])
+
+
+def test_an_async_run_leaves_the_workers_cores_to_it() -> None:
+    from palestra.scale.cpu_threads import ThreadChoice, leave_cores_to_the_worker
+
+    found = ThreadChoice(4, "free cores", "palestra: 4 CPU threads (4 cores, 0.0 busy with other work); set ...")
+    choice = leave_cores_to_the_worker(found, 1)
+    assert choice.threads == 3
+    assert choice.line.startswith("palestra: 4 CPU threads (4 cores, 0.0 busy with other work): 3 for the learner, 1")
+    assert leave_cores_to_the_worker(ThreadChoice(1, "free cores", "x; y"), 2).threads == 1  # never none
+
+
+def test_the_gpu_training_script_asks_for_a_valid_config() -> None:
+    """bench/gpu_train.py runs once a GPU is lent, for a few minutes: a config error must not spend them."""
+    import gpu_train
+    from palestra.config import load_config
+
+    for lora in (False, True):
+        config = load_config(gpu_train.CONFIG, gpu_train.overrides("cuda", lora, quick=False))
+        assert config.train.device == "cuda" and config.train.precision == "bf16"
+        assert config.generator.name == "static_kv" and config.optimizer.options.beta == 0.04
+        assert (config.policy.options.lora is not None) == lora
+        assert config.train.batch_size * config.train.group_size == 64 and config.train.max_new_tokens == 64
