@@ -268,8 +268,8 @@ def run_alternating(args: argparse.Namespace, folder: Path, work: Path) -> dict[
         logging_steps=1,
         seed=args.seed,
         max_steps=steps_total,
-        per_device_train_batch_size=rows // args.grad_accum,
-        gradient_accumulation_steps=args.grad_accum,
+        per_device_train_batch_size=rows // args.trl_grad_accum,
+        gradient_accumulation_steps=args.trl_grad_accum,
         generation_batch_size=rows,
         num_generations=args.group,
         bf16=args.precision == "bf16",
@@ -373,7 +373,7 @@ def format_table(args: argparse.Namespace, result: dict[str, Any]) -> str:
         f"{args.model}: {args.batch} prompts x {args.group} completions x {args.new_tokens} new tokens, "
         f"beta={args.beta}, lr={args.lr}, {args.threads} threads, {args.precision}, {args.attn} attention "
         f"(Palestra sampling: {args.generation_attn or args.attn}; TRL: {args.trl_attn}), "
-        f"{args.grad_accum} micro-batch(es), {args.steps} measured steps (median)",
+        f"{args.grad_accum} micro-batch(es) (TRL: {args.trl_grad_accum}), {args.steps} measured steps (median)",
         head,
     ]
     for side in ("palestra", "trl"):
@@ -439,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         "train.grad_accum); the rows of a step must divide evenly",
     )
     p.add_argument(
+        "--trl-grad-accum",
+        type=int,
+        default=None,
+        help="TRL's micro-batches per step (default: --grad-accum); 1 is TRL's default, one batch of every row",
+    )
+    p.add_argument(
         "--generator",
         choices=("kv_cache", "static_kv"),
         default="kv_cache",
@@ -455,8 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps: expected at least 1, got {args.steps}")
     if args.beta <= 0:
         p.error(f"--beta: the comparison includes the KL term to a reference; expected > 0, got {args.beta}")
-    if (args.batch * args.group) % args.grad_accum:
-        p.error(f"--grad-accum: {args.grad_accum} does not divide the {args.batch * args.group} rows of a step")
+    args.trl_grad_accum = args.trl_grad_accum or args.grad_accum
+    for flag, value in (("--grad-accum", args.grad_accum), ("--trl-grad-accum", args.trl_grad_accum)):
+        if (args.batch * args.group) % value:
+            p.error(f"{flag}: {value} does not divide the {args.batch * args.group} rows of a step")
     preset = PRESETS[args.model]
     args.new_tokens = args.new_tokens or preset.new_tokens
     args.difficulty = preset.difficulty
@@ -487,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": args.precision,
             "attn": args.attn,
             "grad_accum": args.grad_accum,
+            "trl_grad_accum": args.trl_grad_accum,
             "generation_attn": args.generation_attn or args.attn,
             "generator": args.generator,
             "trl_attn": args.trl_attn,
@@ -508,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             if setup == ("fp32", "sdpa", "sdpa", "sdpa", 1)
             else f"{args.model}/{args.precision}-{args.attn}-gen{gen_attn}-trl{args.trl_attn}-accum{args.grad_accum}"
         )
+        if args.trl_grad_accum != args.grad_accum:  # TRL's defaults beside Palestra's tuned settings
+            key += f"-trlaccum{args.trl_grad_accum}"
         existing[key] = {"meta": meta, **result}
         path.write_text(json.dumps(existing, indent=2))
         print(f"written to {args.out}", file=sys.stderr)
