@@ -94,14 +94,18 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--measured", type=Path, help="a bench/e2e_vs_trl.py result: each part's share of its floor")
+    ap.add_argument("--setup", help="the setup's key in --measured, when it holds several")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"cpu": cpu_kind(), "threads": args.threads, "dtype": args.dtype, **vars(args)}
-    result.pop("measured"), result.pop("out")
+    result.pop("measured"), result.pop("out"), result.pop("setup")
     result.update(floor(args, getattr(torch, args.dtype)))
     if args.measured:
-        (setup,) = json.loads(args.measured.read_text()).values()  # one setup per result file
+        setups = json.loads(args.measured.read_text())
+        if args.setup is None and len(setups) > 1:
+            raise SystemExit(f"--setup: {args.measured} holds several setups, name one of {sorted(setups)}")
+        setup = setups[args.setup] if args.setup is not None else next(iter(setups.values()))
         got = setup["palestra"]["breakdown_median"]
         measured = {k: got[f"perf/{k}_s"] for k in ("generate", "score", "update")}
         result["measured_s"] = {**measured, "step": got["perf/step_s"]}
