@@ -112,6 +112,7 @@ class Sampler:
         self.local_batch_size = dist.local_batch_size(t.batch_size)
         self.params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
         self.worker: RolloutWorker | None = None  # an asynchronous run's generation worker (attach_worker)
+        self.rewarded = False  # whether the step being sampled has called the reward yet (its state moved)
 
     def attach_worker(self, worker: RolloutWorker | None) -> None:
         """Sample through ``worker`` from now on (None: in this process again)."""
@@ -132,6 +133,7 @@ class Sampler:
 
     def sample(self, step: int) -> Sampled:
         """Step ``step``'s rows: one rollout, then refills while the algorithm lacks groups with a signal."""
+        self.rewarded = False
         rounds = [self.rollout(step)]
         batch = rounds[0].batch
         refill: dict[str, float] = {}
@@ -184,6 +186,7 @@ class Sampler:
     def score(self, ro: Rollout, generate_s: float, *, version: int) -> Round:
         """Score a rollout with the reward (the global batch under torchrun) and lay it out as training rows."""
         started = time.perf_counter()
+        self.rewarded = True
         # multi-agent: one reward call over every row credit assignment needs (agents.credit "role" gives each agent's
         # rows its own turn's reward; per-agent metrics either way), then the plan splits that one output
         plan = (

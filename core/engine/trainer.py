@@ -400,10 +400,11 @@ class Trainer:
         return after
 
     def _save_after_worker_fault(self) -> str:
-        """The worker failed during a step: save the step boundary before it (the step had not updated) and say
-        where the run can resume from. Only the learner's state goes in: the weights the batches in flight were
-        sampled with are still in the ring."""
-        if self.dist.enabled:  # a save is collective, and the other ranks' workers are alive: they are elsewhere
+        """The worker failed during a step: save the step boundary before it (the step had not updated; the ring still
+        holds the in-flight batches' weights) and say where to resume from. Not once the step has called the reward
+        (a DAPO refill that never came): the reward's state has moved past the boundary."""
+        # Under torchrun a save is collective, and the other ranks are elsewhere.
+        if self.dist.enabled or self.sampler.rewarded:
             return f"palestra train --resume {self.run_dir} continues from the newest checkpoint"
         if self.saved_step != self.step_index:
             self.save_step()
