@@ -156,7 +156,7 @@ class RolloutWorker:
     ) -> None:
         section = config.train.async_
         assert section is not None and section.lag >= 1
-        self.lag, self.config = section.lag, config
+        self.lag = section.lag
         names = trainable(policy)
         self.ring = WeightRing(names, self.lag + 1)
         for v, weights in sorted(earlier.items()):

@@ -38,10 +38,6 @@ def _config(tmp_path: Path, raw: dict[str, Any], name: str = "config.yaml") -> P
     return path
 
 
-def _lines(run_dir: Path) -> list[dict[str, Any]]:
-    return metric_lines(run_dir)
-
-
 def _alive(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -89,7 +85,7 @@ def test_an_async_run_is_the_same_every_time_and_its_first_step_is_the_synchrono
         raw["train"]["async"] = None if lag is None else {"lag": lag}
         result = palestra(["--config", str(_config(tmp_path, raw, f"{name}.yaml"))], tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = _lines(tmp_path / "runs" / name)
+        runs[name] = metric_lines(tmp_path / "runs" / name)
     a, b, sync = runs["a"], runs["b"], runs["sync"]
     assert a == b  # the lag is fixed, not "whatever arrived"
     # metrics[0] is the evaluation before training; [1] step 1: sampled with the starting weights on both sides
@@ -123,7 +119,7 @@ def test_an_async_run_killed_mid_way_resumes_bitwise(
     run_a, run_b = killed_and_resumed(_config(tmp_path, raw), tmp_path, steps=RUN["steps"], save_every=2)
     a, b = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME), ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
     assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"]), "parameters differ after resume"
-    assert _lines(run_a) == _lines(run_b)
+    assert metric_lines(run_a) == metric_lines(run_b)
     saved = ckpt.load_checkpoint(run_b / "checkpoints" / ckpt.step_name(4))
     assert saved["async"]["lag"] == lag
     assert sorted(saved["async"]["versions"], key=int) == [str(v) for v in range(max(0, 4 - lag), 4)]
@@ -138,8 +134,8 @@ def test_an_async_dapo_run_with_refill_resumes_bitwise(
     raw["optimizer"] = {"name": "dapo", "options": {"dynamic_sampling": True, "refill_rounds": 2, "entropy_coef": 0.01}}
     raw["train"]["async"] = {"lag": 1}
     run_a, run_b = killed_and_resumed(_config(tmp_path, raw), tmp_path, steps=RUN["steps"], save_every=2)
-    lines = _lines(run_b)
-    assert lines == _lines(run_a)
+    lines = metric_lines(run_b)
+    assert lines == metric_lines(run_a)
     assert any(m.get("rollout/refill_rounds", 0) > 0 for m in lines)
 
 
@@ -176,7 +172,7 @@ def test_a_dead_worker_is_one_line_and_a_saved_step_that_resumes_bitwise(
 
     resumed = palestra(["--resume", str(run_dir)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _lines(run_dir) == _lines(tmp_path / "whole" / "runs" / "r")
+    assert metric_lines(run_dir) == metric_lines(tmp_path / "whole" / "runs" / "r")
 
 
 @pytest.mark.slow
@@ -247,15 +243,23 @@ HANG_SOURCE = textwrap.dedent(
 )
 
 
+def _hanging_run(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]], **train: Any
+) -> tuple[Path, dict[str, Any]]:
+    """The plugin above installed, and an async run of its environment: (the plugin's folder, the raw config)."""
+    (tmp_path / "site").mkdir()
+    site = install_plugin(tmp_path / "site", HANG_PLUGIN, HANG_SOURCE, "async_hang")
+    raw = raw_config(Path("runs"), **{**RUN, "save_every": 0, **train})
+    raw["environment"]["name"] = "hanging"
+    raw["train"]["async"] = {"lag": 1}
+    return site, raw
+
+
 @pytest.mark.slow
 def test_a_hung_worker_is_named_by_the_watchdog_and_ends_with_the_run(
     tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
 ) -> None:
-    (tmp_path / "site").mkdir()
-    site = install_plugin(tmp_path / "site", HANG_PLUGIN, HANG_SOURCE, "async_hang")
-    raw = raw_config(Path("runs"), **{**RUN, "save_every": 0, "step_timeout_s": 3, "data_timeout_s": None})
-    raw["environment"]["name"] = "hanging"
-    raw["train"]["async"] = {"lag": 1}
+    site, raw = _hanging_run(tmp_path, raw_config, step_timeout_s=3, data_timeout_s=None)
     proc = start(["--config", str(_config(tmp_path, raw))], tmp_path, site=site)
     pid = _worker_pid(proc)
     _, err = proc.communicate(timeout=120)
@@ -268,12 +272,8 @@ def test_a_hung_worker_is_named_by_the_watchdog_and_ends_with_the_run(
 def test_an_error_inside_the_worker_is_one_line_with_its_message_and_a_saved_step(
     tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
 ) -> None:
-    (tmp_path / "site").mkdir()
-    site = install_plugin(tmp_path / "site", HANG_PLUGIN, HANG_SOURCE, "async_hang")
-    raw = raw_config(Path("runs"), **{**RUN, "save_every": 0})
-    raw["environment"]["name"] = "hanging"
+    site, raw = _hanging_run(tmp_path, raw_config)
     raw["environment"]["options"]["fail"] = True
-    raw["train"]["async"] = {"lag": 1}
     result = palestra(["--config", str(_config(tmp_path, raw))], tmp_path, site=site)
     assert result.returncode == 2, result.stderr[-3000:]
     said = [x for x in result.stderr.strip().splitlines() if not WORKER_LINE.search(x)]
@@ -314,7 +314,7 @@ def test_lag_zero_is_the_synchronous_run(tmp_path: Path, raw_config: Callable[..
         result = palestra(["--config", str(_config(tmp_path, raw, f"{name}.yaml"))], tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "rollout worker" not in result.stderr
-        lines[name] = [json.dumps(m, sort_keys=True) for m in _lines(tmp_path / "runs" / name)]
+        lines[name] = [json.dumps(m, sort_keys=True) for m in metric_lines(tmp_path / "runs" / name)]
     assert lines["zero"] == lines["none"]
 
 
@@ -333,7 +333,7 @@ def test_an_async_lora_run_sends_only_the_adapters_and_resumes_bitwise(
     run_a, run_b = killed_and_resumed(_config(tmp_path, raw), tmp_path, steps=8, save_every=2, timeout=180, again=again)
     a, b = ckpt.load_checkpoint(run_a / ckpt.FINAL_NAME), ckpt.load_checkpoint(run_b / ckpt.FINAL_NAME)
     assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"]), "adapters differ after resume"
-    assert _lines(run_a) == _lines(run_b)
+    assert metric_lines(run_a) == metric_lines(run_b)
     kept = a["async"]["versions"]["7"]  # the version step 8's batch was sampled with: the adapters alone
     assert kept.keys() == a["policy"].keys() and len(kept) == 8
     assert any(not torch.equal(kept[k], a["policy"][k]) for k in kept)  # one update older than the final adapters
