@@ -6,6 +6,10 @@ run alternately, ``--reps`` times each, from the same seed (so they sample nearl
 the ratio of their median tokens/s. Each static run also says how many prompt rows it prefilled.
 
     OMP_NUM_THREADS=2 python bench/decode_speed.py --threads 2 --out bench/results/decode_speed.json
+    python bench/decode_speed.py --device cuda --compile --out gpu_decode.json   # a GPU: the CUDA-graph decode step
+
+With ``--compile`` it also checks the compiled step against the eager one: greedy completions of the whole batch,
+and the share of rows that come out the same (bf16 kernels of another shape may round a near-tie the other way).
 """
 
 from __future__ import annotations
@@ -34,9 +38,21 @@ def observations(prompts: int, group: int) -> list[Any]:
 
 
 def run(policy: Any, generator: Any, obs: list[Any], params: Any, seed: int) -> tuple[float, int]:
+    device = next(policy.parameters()).device
     t = time.perf_counter()
-    out = generator.generate(policy, obs, params, generator=torch.Generator().manual_seed(seed))
+    out = generator.generate(policy, obs, params, generator=torch.Generator(device).manual_seed(seed))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t, int(out.completion_mask.sum())
+
+
+def greedy_rows_equal(policy: Any, eager: Any, compiled: Any, obs: list[Any], new_tokens: int) -> float:
+    """The share of rows whose greedy completion is the same from the compiled step as from the eager one."""
+    from palestra.types import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    a, b = (g.generate(policy, obs, greedy).completion_ids for g in (eager, compiled))
+    return float((a == b).all(dim=-1).float().mean())
 
 
 def main() -> None:
@@ -47,6 +63,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time static_kv with compile: true")
+    ap.add_argument("--device", default="cpu", help="cuda: the compiled step runs as a CUDA graph")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -63,7 +80,7 @@ def main() -> None:
         attn_implementation="eager",
         generation_attn_implementation="sdpa",  # the documented CPU settings (docs/performance.md)
     )
-    policy.eval()
+    policy.to(args.device).eval()
     obs = observations(args.prompts, args.group)
     prompt_ids, _ = policy.encode_observations(obs)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
@@ -86,6 +103,7 @@ def main() -> None:
     rate = {k: statistics.median(n / t for n, t in zip(tokens[k], times[k], strict=True)) for k in sides}
     result = {
         "cpu": cpu_kind(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "threads": args.threads,
         "rows": len(obs),
         "prompt_tokens": int(prompt_ids.shape[1]),
@@ -96,9 +114,14 @@ def main() -> None:
         "tokens": tokens,
         "static_over_kv_cache": rate["static_kv"] / rate["kv_cache"],
     }
+    shown = ["cpu", "device", "threads", "tokens_per_s", "static_over_kv_cache"]
     if args.compile:
         result["compiled_over_kv_cache"] = rate["static_kv_compiled"] / rate["kv_cache"]
-    print(json.dumps({k: result[k] for k in ("cpu", "threads", "tokens_per_s", "static_over_kv_cache")}, indent=1))
+        result["compiled_greedy_rows_equal"] = greedy_rows_equal(
+            policy, sides["static_kv"], sides["static_kv_compiled"], obs, args.new_tokens
+        )
+        shown += ["compiled_over_kv_cache", "compiled_greedy_rows_equal"]
+    print(json.dumps({k: result[k] for k in shown}, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

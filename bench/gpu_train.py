@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """One command for a machine with a GPU: a bf16 SmolLM2-135M GRPO run, synchronous and then with ``train.async``,
-with each step's breakdown and tokens/s.
+with each step's breakdown and tokens/s, after the decode loop alone (bench/decode_speed.py: ``kv_cache`` against
+``static_kv``, eager and as a CUDA graph, with the graph's greedy completions checked against the eager step's).
 
 The setup is the real-model goal of docs/performance.md: a full fine-tune (``--lora`` for the adapters alone),
 8 prompts x 8 completions of up to 64 tokens, GRPO with a KL term to the frozen reference, bf16 autocast, sampling
 with the ``static_kv`` generator. Each side is a real ``palestra train`` (bench/async_speed.py runs it), one after
-the other; the first step of each is left out of the medians (compilation, the first batch).
+the other; the first step of each is left out of the medians (compilation, the first batch). On a GPU the runs
+decode with ``static_kv``'s compiled step, a CUDA graph.
 
     python bench/gpu_train.py --out gpu_train.json           # on the GPU machine (about 5 minutes on one H100)
     python bench/gpu_train.py --device cpu --steps 2 --quick # a smoke check of the script on a CPU
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ def overrides(device: str, lora: bool, quick: bool) -> list[str]:
         "train.eval_size=4",
         "train.warmup_steps=0",
         "optimizer.options.beta=0.04",
-        "generator={name: static_kv}",
+        f"generator={{name: static_kv, options: {{compile: {'false' if device == 'cpu' else 'true'}}}}}",
         "policy.options.attn_implementation=sdpa",
         "policy.options.generation_attn_implementation=sdpa",
         *([] if lora else ["policy.options.lora=null", "train.lr=1e-6"]),
@@ -64,6 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     extra = overrides(args.device, args.lora, args.quick)
     result: dict[str, Any] = {"device": args.device, "overrides": extra}
+    decode_out = Path("gpu_decode.json") if args.out is None else args.out.with_name(args.out.stem + "_decode.json")
+    sizes = ["--prompts", "2", "--group", "2", "--new-tokens", "8", "--reps", "1"] if args.quick else []
+    compiled = [] if args.device == "cpu" else ["--compile"]
+    decode = [sys.executable, str(HERE / "decode_speed.py"), "--device", args.device, *compiled, *sizes]
+    subprocess.run([*decode, "--out", str(decode_out)], check=True)
+    result["decode"] = json.loads(decode_out.read_text())
     for name, worker in (("sync", None), ("async", 1)):
         run = one_run(CONFIG, args.steps, 4, worker, extra)
         run["tokens_per_s"] = statistics.median(run["tokens_per_s_steps"][1:])

@@ -27,7 +27,7 @@ class StaticKVOptions:
     """Options of the ``static_kv`` generator (``generator.options`` in a config)."""
 
     share_prompts: bool = option(True)  # prefill each distinct prompt once (a GRPO group shares one)
-    compile: bool = option(False)  # torch.compile the decode step (a minute to compile SmolLM2 on a CPU)
+    compile: bool = option(False)  # torch.compile the decode step (a minute on a CPU; a CUDA graph on a GPU)
 
 
 class StaticKVGenerator:
@@ -36,6 +36,7 @@ class StaticKVGenerator:
     def __init__(self, share_prompts: bool = True, compile: bool = False) -> None:
         self.share_prompts, self.compile = share_prompts, compile
         self._warned: set[str] = set()
+        self._caches: Any = None  # compiled: the KV caches the compiled step (or CUDA graph) was built on
 
     def generate(
         self,
@@ -59,8 +60,13 @@ class StaticKVGenerator:
                 )
             return generate(policy, observations, params, generator=generator)
 
+        if self.compile and self._caches is None:
+            from palestra.plugins.policies._static_decode import CachePool
+
+            self._caches = CachePool()
+
         def stepper(n: int) -> Any:
-            return steps(n, share_prompts=self.share_prompts, compile=self.compile)
+            return steps(n, share_prompts=self.share_prompts, compile=self.compile, caches=self._caches)
 
         return generate(policy, observations, params, generator=generator, stepper=stepper)
 

@@ -400,12 +400,15 @@ class HFPolicy(CausalLMPolicy):
         new_cache = getattr(out, self._cache_arg, None) if use_cache else None
         return out.last_hidden_state, new_cache
 
-    def static_steps(self, max_new_tokens: int, *, share_prompts: bool = True, compile: bool = False) -> Any:
+    def static_steps(
+        self, max_new_tokens: int, *, share_prompts: bool = True, compile: bool = False, caches: Any = None
+    ) -> Any:
         """A :class:`palestra.models.sampling.DecodeStepper` over a preallocated KV cache (the ``static_kv``
-        generator's; see :mod:`palestra.plugins.policies._static_decode`)."""
+        generator's; see :mod:`palestra.plugins.policies._static_decode`), taken from ``caches`` (a ``CachePool``)
+        when given."""
         from palestra.plugins.policies._static_decode import StaticSteps
 
-        return StaticSteps(self, max_new_tokens, share_prompts=share_prompts, compile=compile)
+        return StaticSteps(self, max_new_tokens, share_prompts=share_prompts, compile=compile, caches=caches)
 
     def output_head(self) -> torch.nn.Module:
         return self.hf_model.get_output_embeddings()

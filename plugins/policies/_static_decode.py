@@ -16,7 +16,10 @@ most of its time on a CPU, measured on SmolLM2-135M in bf16, 64 rows x 64 tokens
 ``compile=True`` also runs each decode step through ``torch.compile``: fixed shapes, with the cache's length
 rounded up to a multiple of :data:`LENGTH_BUCKET`, so it compiles once per batch size and length bucket, not once
 per prompt length. It fuses the element-wise work between the matmuls (norms, rotary embeddings, the gated MLP),
-but compiling SmolLM2 takes one to two minutes on two cores, so it is off by default.
+but compiling SmolLM2 takes one to two minutes on two cores, so it is off by default. On a GPU the compiled step
+is also captured as a CUDA graph (``mode="reduce-overhead"``), so a decode step is one graph launch instead of a
+few hundred kernel launches from Python. A graph reads the cache at fixed addresses, so compiled runs take their
+caches from a :class:`CachePool` that keeps them between batches of the same shape.
 
 The loop around it (sampling, stop conditions) is :func:`palestra.models.sampling.sample`'s, unchanged.
 """
@@ -24,6 +27,8 @@ The loop around it (sampling, stop conditions) is :func:`palestra.models.samplin
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,14 +105,24 @@ class StaticSteps:
     One instance serves one call of :func:`palestra.models.sampling.sample` (``max_new_tokens`` new tokens at most).
     """
 
-    def __init__(self, policy: Any, max_new_tokens: int, *, share_prompts: bool = True, compile: bool = False) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        max_new_tokens: int,
+        *,
+        share_prompts: bool = True,
+        compile: bool = False,
+        caches: CachePool | None = None,
+    ) -> None:
         _register()
         self.policy, self.n, self.share_prompts = policy, max_new_tokens, share_prompts
         self.cache: Any = None
+        self.caches = caches
         self.mask = torch.empty(0)  # the attention mask over the whole cache, [B, cache length]
         self.prompt_rows = 0  # rows prefilled (distinct prompts when shared): for the tests and the bench
         self.compiled = compile
-        self._run = _compiled(self._step) if compile else self._step
+        device = next(policy.hf_model.parameters()).device
+        self._run = _compiled(self._step, cuda_graphs=device.type == "cuda") if compile else self._step
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         from transformers import StaticCache
@@ -124,7 +139,14 @@ class StaticSteps:
         length = p + self.n
         if self.compiled:  # one compiled graph per bucket of lengths, not one per prompt length
             length = -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
-        self.cache = StaticCache(config=policy.hf_model.config, max_cache_len=length)
+
+        def allocate() -> Any:
+            return StaticCache(config=policy.hf_model.config, max_cache_len=length)
+
+        if self.caches is None:
+            self.cache = allocate()
+        else:
+            self.cache = self.caches.get((b, length, grown.layers[0].keys.dtype, prompt_ids.device), allocate)
         self.mask = torch.zeros((b, length), dtype=torch.long, device=prompt_ids.device)
         self.mask[:, :p] = prompt_mask
         for layer, filled in zip(self.cache.layers, grown.layers, strict=True):
@@ -143,14 +165,40 @@ class StaticSteps:
         return self.policy.logits(hidden[:, -1]).float()
 
 
-def _compiled(step: Any) -> Any:
-    """``step`` through ``torch.compile``; where compiling fails (no C++ compiler, an unsupported model), the eager
-    ``step`` from then on, said once."""
-    compiled = torch.compile(step, dynamic=False)
+class CachePool:
+    """The last few static KV caches, keyed by ``(rows, length, dtype, device)``, kept between calls and reset for
+    reuse: a compiled decode step then meets the same tensors every batch of a shape, and a CUDA graph, which reads
+    them at the addresses it was recorded with, is replayed rather than recorded again."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size  # a training batch and an evaluation batch, typically
+        self._caches: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+    def get(self, key: tuple[Any, ...], allocate: Callable[[], Any]) -> Any:
+        cache = self._caches.pop(key, None)
+        if cache is None:
+            cache = allocate()
+        else:
+            cache.reset()  # zeroed, and filled from column 0 again
+        self._caches[key] = cache
+        while len(self._caches) > self.size:
+            self._caches.popitem(last=False)
+        return cache
+
+
+def _compiled(step: Any, *, cuda_graphs: bool) -> Any:
+    """``step`` through ``torch.compile`` (as a CUDA graph when ``cuda_graphs``); where compiling fails (no C++
+    compiler, an unsupported model), the eager ``step`` from then on, said once."""
+    compiled = torch.compile(step, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
     state = {"fn": compiled}
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         try:
+            if cuda_graphs and state["fn"] is compiled:
+                # Each call is a new step of the graph tree, and its output lives in the graph's memory, which the
+                # next replay overwrites: the loop keeps the logits' tokens and log-probs, so it gets its own copy.
+                torch.compiler.cudagraph_mark_step_begin()
+                return state["fn"](*args).clone()
             return state["fn"](*args)
         except Exception as e:  # any compiler failure falls back to the eager step
             if state["fn"] is step:
@@ -163,4 +211,4 @@ def _compiled(step: Any) -> Any:
     return run
 
 
-__all__ = ["ATTENTION", "StaticSteps", "decode_attention"]
+__all__ = ["ATTENTION", "CachePool", "StaticSteps", "decode_attention"]

@@ -170,14 +170,40 @@ def test_a_bad_option_names_its_full_key() -> None:
         build_component("generator", {"name": "static_kv", "options": {"warp": 9}}, path="generator")
 
 
+def test_a_pooled_cache_is_reused_for_a_batch_of_its_shape_and_samples_as_a_fresh_one(folders: dict[str, Path]) -> None:
+    from palestra.models.sampling import generate
+    from palestra.plugins.policies._static_decode import CachePool
+
+    policy, pool = build(folders["llama"]), CachePool(size=1)
+    made: list[object] = []
+
+    def stepper(n: int) -> object:
+        made.append(policy.static_steps(n, caches=pool))
+        return made[-1]
+
+    params = SamplingParams(max_new_tokens=10, temperature=0.8)
+    wide, narrow = observations(), observations(group=2)
+    for seed, obs in ((1, wide), (2, wide), (3, narrow), (4, wide)):
+        pooled = generate(policy, obs, params, generator=torch.Generator().manual_seed(seed), stepper=stepper)
+        fresh = KVCacheGenerator().generate(policy, obs, params, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(pooled.completion_ids, fresh.completion_ids), seed  # the reused cache held nothing stale
+        assert torch.allclose(pooled.logprobs, fresh.logprobs, atol=1e-4)
+    keys = [m.cache.layers[0].keys for m in made]
+    assert keys[1] is keys[0]  # the same shape: the same tensors, filled again from column 0
+    assert keys[2] is not keys[0] and keys[3] is not keys[0]  # another shape evicted it from a pool of one
+
+
 @pytest.mark.slow
 def test_the_compiled_decode_step_gives_the_eager_steps_greedy_outputs(folders: dict[str, Path]) -> None:
     pytest.importorskip("torch._inductor")
     policy = build(folders["llama"])
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
-    ours, theirs = both(policy, params, observations(), compile=True)
-    assert torch.equal(ours.completion_ids, theirs.completion_ids)
-    assert torch.allclose(ours.logprobs, theirs.logprobs, atol=1e-4)
+    compiled = StaticKVGenerator(compile=True)
+    for prompts in (observations(), observations()[::-1]):  # the second batch reuses the first one's cache
+        ours = compiled.generate(policy, prompts, params, generator=torch.Generator().manual_seed(0))
+        theirs = KVCacheGenerator().generate(policy, prompts, params, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(ours.completion_ids, theirs.completion_ids)
+        assert torch.allclose(ours.logprobs, theirs.logprobs, atol=1e-4)
 
 
 def test_a_lora_policy_decodes_through_its_adapters(folders: dict[str, Path]) -> None:
