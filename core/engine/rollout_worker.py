@@ -112,6 +112,11 @@ class Request:
     task_seed: int
     sampling_seed: int
 
+    @property
+    def doing(self) -> str:
+        """What the worker is doing while it answers this request, as an error message says it."""
+        return f"while it sampled step {self.step + 1}'s " + (f"refill {self.refill}" if self.refill else "batch")
+
 
 @dataclass
 class Delivered:
@@ -201,13 +206,19 @@ class RolloutWorker:
         self.ring.publish(version, self._trainable)
 
     def request(self, step: int, refill: int, task_seed: int, sampling_seed: int) -> None:
-        _send(self.conn, Request(step, refill, self.version_for(step), task_seed, sampling_seed))
+        request = Request(step, refill, self.version_for(step), task_seed, sampling_seed)
+        try:
+            _send(self.conn, request)
+        except OSError:  # the worker has ended (it failed on an earlier request): its last message says why
+            asked = f"before {request.doing.removeprefix('while it sampled ')} was asked"
+            self._next(asked, wait_s=5.0)
+            raise RolloutWorkerError(f"rollout worker (pid {self.pid}) closed its pipe {asked}") from None
 
     def receive(self, step: int, refill: int = 0) -> Delivered:
         """Step ``step``'s batch (its ``refill``-th extra rollout), waiting for it."""
         key = (step, refill)
         while key not in self._arrived:
-            message = self._next(f"while it sampled step {step + 1}'s batch")
+            message = self._next(Request(step, refill, 0, 0, 0).doing)
             if message[0] != "rollout":
                 raise RolloutWorkerError(f"rollout worker (pid {self.pid}): unexpected message {message[0]!r}")
             _, got_step, got_refill, delivered = message
@@ -252,8 +263,8 @@ class RolloutWorker:
                     message = _receive(self.conn)
                 except (EOFError, OSError):
                     message = None
-                if message is not None and message[0] == "error":
-                    raise RolloutWorkerError(f"rollout worker (pid {self.pid}) failed {doing}: {message[1]}")
+                if message is not None and message[0] == "error":  # it says what it was doing
+                    raise RolloutWorkerError(f"rollout worker (pid {self.pid}) failed {message[2]}: {message[1]}")
                 if message is not None:
                     return message
             if not self.process.is_alive():
@@ -300,17 +311,19 @@ def _serve(job: _Job, start: Mapping[str, torch.Tensor], ring: WeightRing, conn:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     _die_with_parent()
+    doing = "while it started"
     try:
         torch.set_num_threads(job.threads)
         sampler = _WorkerSampler(job, start)
         del start
         _send(conn, ("ready", os.getpid()))
         for request, waited in _requests(conn, job.parent):
+            doing = request.doing
             delivered = sampler.sample(request, ring, waited)
             _send(conn, ("rollout", request.step, request.refill, delivered))
     except BaseException as e:  # noqa: BLE001 - whatever it is, the learner says it in one line (and the step)
         with contextlib.suppress(OSError, ValueError):
-            _send(conn, ("error", f"{type(e).__name__}: {e}".splitlines()[0][:500]))
+            _send(conn, ("error", f"{type(e).__name__}: {e}".splitlines()[0][:500], doing))
         os._exit(1)
 
 

@@ -405,7 +405,7 @@ class Trainer:
         (a DAPO refill that never came): the reward's state has moved past the boundary."""
         # Under torchrun a save is collective, and the other ranks are elsewhere.
         if self.dist.enabled or self.sampler.rewarded:
-            return f"palestra train --resume {self.run_dir} continues from the newest checkpoint"
+            return _newest_checkpoint(self.run_dir)
         if self.saved_step != self.step_index:
             self.save_step()
         return f"the run saved step {self.step_index}: palestra train --resume {self.run_dir} continues it"
@@ -510,3 +510,11 @@ def _with_times(metrics: dict[str, float], started: float, batch: Experience) ->
     metrics["perf/step_s"] = elapsed
     metrics["perf/tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
     return metrics
+
+
+def _newest_checkpoint(run_dir: Path) -> str:
+    """Where a run that cannot save now resumes from: its newest step checkpoint, or a fresh start."""
+    saved = ckpt.list_step_checkpoints(run_dir)
+    if not saved:
+        return "the run has no checkpoint yet: palestra train with its config starts it again"
+    return f"palestra train --resume {run_dir} continues from step {saved[-1][0]}, its newest checkpoint"

@@ -255,6 +255,15 @@ def _hanging_run(
     return site, raw
 
 
+def _the_one_line(tmp_path: Path, raw: dict[str, Any], site: Path) -> str:
+    """Run ``raw`` to its failure (exit 2) and return the one line it said, besides naming its worker."""
+    result = palestra(["--config", str(_config(tmp_path, raw))], tmp_path, site=site)
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = [x for x in result.stderr.strip().splitlines() if not WORKER_LINE.search(x)]
+    assert len(said) == 1, result.stderr[-3000:]
+    return said[0]
+
+
 @pytest.mark.slow
 def test_a_hung_worker_is_named_by_the_watchdog_and_ends_with_the_run(
     tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
@@ -274,17 +283,36 @@ def test_an_error_inside_the_worker_is_one_line_with_its_message_and_a_saved_ste
 ) -> None:
     site, raw = _hanging_run(tmp_path, raw_config)
     raw["environment"]["options"]["fail"] = True
-    result = palestra(["--config", str(_config(tmp_path, raw))], tmp_path, site=site)
-    assert result.returncode == 2, result.stderr[-3000:]
-    said = [x for x in result.stderr.strip().splitlines() if not WORKER_LINE.search(x)]
-    assert len(said) == 1, result.stderr[-3000:]
+    said = _the_one_line(tmp_path, raw, site)
     # resets 1 and 2 sample steps 1 and 2; the third, step 3's batch, fails; the learner has trained steps 1 and 2
     assert re.fullmatch(
         r"palestra train: error: rollout worker \(pid \d+\) failed while it sampled step 3's batch: "
         r"EnvironmentProtocolError: environment 'hanging': reset raised ValueError: this reset fails; "
         r"the run saved step 2: palestra train --resume runs/r continues it",
-        said[0],
-    ), said[0]
+        said,
+    ), said
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_during_a_refill_names_the_checkpoint_to_resume_from(
+    tmp_path: Path, raw_config: Callable[..., dict[str, Any]]
+) -> None:
+    """The step has scored its batch (the reward's state has moved), so its boundary is not saved: the newest
+    checkpoint is where a resume starts, and the run says which one."""
+    site, raw = _hanging_run(tmp_path, raw_config, save_every=1)
+    raw["environment"]["options"].update(fail=True, hang_at=4)
+    raw["reward"] = {"name": "correctness"}  # the untrained policy scores 0 everywhere: every group asks a refill
+    raw["optimizer"] = {"name": "dapo", "options": {"dynamic_sampling": True, "refill_rounds": 1}}
+    said = _the_one_line(tmp_path, raw, site)
+    # resets 1 and 2 sample steps 1 and 2, 3 step 1's refill; 4, step 3's batch (asked after step 1), fails while
+    # the learner awaits step 2's refill, having scored step 2's batch
+    assert re.fullmatch(
+        r"palestra train: error: rollout worker \(pid \d+\) failed while it sampled step 3's batch: "
+        r"EnvironmentProtocolError: .*this reset fails; "
+        r"palestra train --resume runs/r continues from step 1, its newest checkpoint",
+        said,
+    ), said
+    assert ckpt.list_step_checkpoints(tmp_path / "runs" / "r")[-1][0] == 1
 
 
 # ---- what async cannot run with -----------------------------------------------------------------------------

@@ -133,6 +133,35 @@ def test_async_rollouts_give_each_ddp_rank_its_own_worker_and_the_ranks_stay_ide
     assert_learns(rewards(tmp_path / "runs" / "dist"))
 
 
+def test_a_rank_whose_rollout_worker_fails_ends_the_job_and_names_the_checkpoint_to_resume_from(
+    tmp_path: Path,
+) -> None:
+    """A save is collective, and the other rank is elsewhere: the failing rank says where the run resumes."""
+    from test_async_rollouts import HANG_PLUGIN, HANG_SOURCE
+    from train_processes import install_plugin
+
+    (tmp_path / "site").mkdir()
+    site = install_plugin(tmp_path / "site", HANG_PLUGIN, HANG_SOURCE, "async_hang")
+    config = write_config(
+        tmp_path, algorithm="grpo", options={}, train={"steps": 6, "save_every": 1, "async": {"lag": 1}}
+    )
+    raw = yaml.safe_load(config.read_text())
+    raw["environment"] = {"name": "hanging", "options": {**raw["environment"]["options"], "fail": True, "hang_at": 4}}
+    config.write_text(yaml.safe_dump(raw))
+    started = time.monotonic()
+    out = torchrun(["--config", str(config)], tmp_path, sites=(site,))
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert time.monotonic() - started < 100  # the job ends; no rank waits out a collective
+    # each rank's worker samples steps 1-3 (resets 1-3) and fails at step 4's batch, after the learners' step 2
+    lines = [x for x in out.stderr.splitlines() if "failed while it sampled step 4's batch" in x]
+    assert lines, out.stderr[-3000:]
+    assert all(
+        x.endswith(f"palestra train --resume {tmp_path / 'runs' / 'dist'} continues from step 2, its newest checkpoint")
+        for x in lines
+    ), lines
+    assert (tmp_path / "runs" / "dist" / "checkpoints").is_dir()
+
+
 def test_fsdp2_fully_shard_trains_on_two_cpu_ranks(tmp_path: Path, sites: dict[str, Path]) -> None:
     options = {"beta": 0.0, "clip_eps": 0.2, "scale": "group", "loss_agg": "token_mean", "entropy_coef": 0.0}
     config = write_config(tmp_path, algorithm="grpo", options=options, train={"steps": 20}, strategy="fsdp")
