@@ -215,6 +215,36 @@ class Rollout:
         )
 
 
+@dataclass(frozen=True)
+class RolloutRecipe:
+    """What every training rollout of a run is made of, wherever it is sampled (in the learner's process, or in an
+    asynchronous run's worker): the sampling settings, this rank's tasks and group size, the trajectory kind and
+    a sequence's token budget."""
+
+    params: SamplingParams
+    batch_size: int
+    group_size: int
+    trajectory: Literal["per_turn", "sequence"]
+    max_tokens: int | None
+
+    def collect(
+        self, env: Environment, policy: Policy, backend: Generator, *, seed: int, rng: torch.Generator
+    ) -> Rollout:
+        """:func:`collect` with this recipe: tasks from ``seed``, sampling from ``rng``."""
+        return collect(
+            env,
+            policy,
+            backend,
+            self.params,
+            self.batch_size,
+            group_size=self.group_size,
+            seed=seed,
+            rng=rng,
+            trajectory=self.trajectory,
+            max_tokens=self.max_tokens,
+        )
+
+
 def collect(
     env: Environment,
     policy: Policy,

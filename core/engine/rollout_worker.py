@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from palestra.errors import ConfigError
-from palestra.types import SamplingParams, Stateful
+from palestra.types import Stateful
 
 if TYPE_CHECKING:
     from palestra.config import Config
-    from palestra.engine.rollout import Rollout
+    from palestra.engine.rollout import Rollout, RolloutRecipe
     from palestra.scale.distributed import DistributedContext
 
 __all__ = ["Delivered", "Request", "RolloutWorker", "RolloutWorkerError", "WeightRing", "check_async"]
@@ -153,10 +153,7 @@ class RolloutWorker:
         policy: torch.nn.Module,
         version: int,
         earlier: Mapping[int, Mapping[str, torch.Tensor]],
-        params: SamplingParams,
-        batch_size: int,
-        trajectory: str,
-        max_tokens: int | None,
+        recipe: RolloutRecipe,
         device: torch.device,
     ) -> None:
         section = config.train.async_
@@ -174,7 +171,7 @@ class RolloutWorker:
 
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (OpenMP, the watchdog)
         here, there = ctx.Pipe()
-        job = _Job(config, params, batch_size, trajectory, max_tokens, str(device), section.threads, os.getpid())
+        job = _Job(config, recipe, str(device), section.threads, os.getpid())
         self.process = ctx.Process(
             target=_serve, args=(job, start, self.ring, there), name="palestra-rollout-worker", daemon=False
         )
@@ -289,10 +286,7 @@ class _Job:
     """What the worker needs besides the weights: the run's config and its sampling settings."""
 
     config: Config
-    params: SamplingParams
-    batch_size: int
-    trajectory: str
-    max_tokens: int | None
+    recipe: RolloutRecipe
     device: str
     threads: int
     parent: int
@@ -366,8 +360,6 @@ class _WorkerSampler:
         self.loaded = -1
 
     def sample(self, request: Request, ring: WeightRing, waited: float) -> Delivered:
-        from palestra.engine.rollout import collect
-
         if request.version != self.loaded:
             with torch.no_grad():
                 for name, t in ring.read(request.version).items():
@@ -376,16 +368,5 @@ class _WorkerSampler:
         gen = torch.Generator(device=self.device).manual_seed(request.sampling_seed)
         started = time.perf_counter()
         with torch.no_grad(), self.context.autocast():
-            ro = collect(
-                self.env,
-                self.policy,
-                self.generator,
-                self.job.params,
-                self.job.batch_size,
-                group_size=self.job.config.train.group_size,
-                seed=request.task_seed,
-                rng=gen,
-                trajectory=self.job.trajectory,  # type: ignore[arg-type]
-                max_tokens=self.job.max_tokens,
-            )
+            ro = self.job.recipe.collect(self.env, self.policy, self.generator, seed=request.task_seed, rng=gen)
         return Delivered(ro, request.version, time.perf_counter() - started, waited)

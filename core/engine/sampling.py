@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from palestra.engine.rollout import Rollout, collect
+from palestra.engine.rollout import Rollout, RolloutRecipe
 from palestra.multiagent.credit import credit_plan
 from palestra.scale.reward_scoring import score_global
 from palestra.types import AgentId, Experience, RewardOutput, SamplingParams
@@ -107,10 +107,13 @@ class Sampler:
         self.env, self.agent_ids, self.policy, self.generator, self.reward = env, agent_ids, policy, generator, reward
         self.dist, self.watchdog, self.autocast = dist, watchdog, autocast
         self.refill_rounds, self.groups_short = refill_rounds, groups_short
-        self.trajectory = trajectory  # "sequence": one row per multi-turn episode (palestra.engine.trajectory)
-        self.max_tokens = episode_token_budget(config)  # a sequence's token budget
-        self.local_batch_size = dist.local_batch_size(t.batch_size)
-        self.params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p)
+        self.recipe = RolloutRecipe(
+            params=SamplingParams(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p),
+            batch_size=dist.local_batch_size(t.batch_size),
+            group_size=t.group_size,
+            trajectory=trajectory,  # type: ignore[arg-type]  # "sequence": one row per multi-turn episode
+            max_tokens=episode_token_budget(config),  # a sequence's token budget
+        )
         self.worker: RolloutWorker | None = None  # an asynchronous run's generation worker (attach_worker)
         self.rewarded = False  # whether the step being sampled has called the reward yet (its state moved)
 
@@ -146,7 +149,6 @@ class Sampler:
         """Sample and score one rollout (``refill``: the step's n-th extra one, with tasks and samples of its own)."""
         if self.worker is not None:
             return self._worker_rollout(step, refill)
-        t = self.config.train
         task_seed, sampling_seed = self.seeds(step, refill)
         gen = torch.Generator(device=self.dist.device).manual_seed(sampling_seed)
         self.policy.eval()
@@ -154,18 +156,7 @@ class Sampler:
         # Sampling runs in the training precision too (train.precision=bf16: the decode matmuls in bf16, the sampling
         # math in fp32); any gap to the learner's log-probs this leaves is logged as rollout/* and can be corrected.
         with self.watchdog.phase("rollout"), self.dist.gathered(self.policy), self.autocast():
-            ro = collect(
-                self.env,
-                self.policy,
-                self.generator,
-                self.params,
-                self.local_batch_size,
-                group_size=t.group_size,
-                seed=task_seed,
-                rng=gen,
-                trajectory=self.trajectory,  # type: ignore[arg-type]
-                max_tokens=self.max_tokens,
-            )
+            ro = self.recipe.collect(self.env, self.policy, self.generator, seed=task_seed, rng=gen)
         generate_s = time.perf_counter() - started
         return self.score(ro, generate_s, version=step)
 

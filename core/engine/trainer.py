@@ -151,7 +151,7 @@ class Trainer:
             groups_short=self.algorithm.groups_short,
             trajectory=self.trajectory,
         )
-        self.local_batch_size = self.sampler.local_batch_size
+        self.local_batch_size = self.sampler.recipe.batch_size
         # train.async: a generation worker `lag` steps ahead (palestra.engine.rollout_worker), started by train()
         self.lag = config.train.async_.lag if config.train.async_ is not None else 0
         if self.lag:
@@ -357,10 +357,7 @@ class Trainer:
                 policy=self.policy,
                 version=first,
                 earlier=self._earlier_versions,
-                params=self.sampler.params,
-                batch_size=self.local_batch_size,
-                trajectory=self.trajectory,
-                max_tokens=self.sampler.max_tokens,
+                recipe=self.sampler.recipe,
                 device=self.device,
             )
         self._earlier_versions = {}
