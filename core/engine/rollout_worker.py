@@ -113,9 +113,13 @@ class Request:
     sampling_seed: int
 
     @property
-    def doing(self) -> str:
-        """What the worker is doing while it answers this request, as an error message says it."""
-        return f"while it sampled step {self.step + 1}'s " + (f"refill {self.refill}" if self.refill else "batch")
+    def what(self) -> str:
+        """What this request asks for, as an error message says it: "step 3's batch", "step 3's refill 1"."""
+        return _what(self.step, self.refill)
+
+
+def _what(step: int, refill: int) -> str:
+    return f"step {step + 1}'s " + (f"refill {refill}" if refill else "batch")
 
 
 @dataclass
@@ -207,15 +211,17 @@ class RolloutWorker:
         try:
             _send(self.conn, request)
         except OSError:  # the worker has ended (it failed on an earlier request): its last message says why
-            asked = f"before {request.doing.removeprefix('while it sampled ')} was asked"
-            self._next(asked, wait_s=5.0)
+            asked = f"before {request.what} was asked"
+            while (message := self._next(asked, wait_s=5.0)) is not None:  # raises at its error or its exit
+                if message[0] == "rollout":
+                    self._arrived[(message[1], message[2])] = message[3]
             raise RolloutWorkerError(f"rollout worker (pid {self.pid}) closed its pipe {asked}") from None
 
     def receive(self, step: int, refill: int = 0) -> Delivered:
         """Step ``step``'s batch (its ``refill``-th extra rollout), waiting for it."""
         key = (step, refill)
         while key not in self._arrived:
-            message = self._next(Request(step, refill, 0, 0, 0).doing)
+            message = self._next(f"while it sampled {_what(step, refill)}")
             if message[0] != "rollout":
                 raise RolloutWorkerError(f"rollout worker (pid {self.pid}): unexpected message {message[0]!r}")
             _, got_step, got_refill, delivered = message
@@ -312,7 +318,7 @@ def _serve(job: _Job, start: Mapping[str, torch.Tensor], ring: WeightRing, conn:
         del start
         _send(conn, ("ready", os.getpid()))
         for request, waited in _requests(conn, job.parent):
-            doing = request.doing
+            doing = f"while it sampled {request.what}"
             delivered = sampler.sample(request, ring, waited)
             _send(conn, ("rollout", request.step, request.refill, delivered))
     except BaseException as e:  # noqa: BLE001 - whatever it is, the learner says it in one line (and the step)
